@@ -1,0 +1,174 @@
+"""drvsoftmax: fused ``softmax(x * scale + mask)`` on NVIDIA GPUs through the CUDA driver API.
+
+    y  = drvsoftmax.scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False,
+                                          key_lengths=None, out=None, stream=None)
+    dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, *, scale=1.0, out=None, stream=None)
+
+Softmax runs over the last axis of ``x`` ([..., Sq, Sk], canonically [B, H, Sq, Sk]).
+Mask semantics, with keys j along the last axis and queries i along the one before::
+
+    bool / integer mask : nonzero = HIDDEN (Megatron / apex / key_padding_mask convention,
+                          the opposite of SDPA's boolean attn_mask)
+    float mask          : added after scaling; -inf hides
+    causal=True         : key j hidden from query i when j > i + (Sk - Sq)
+                          (bottom-right aligned:  Sq=2, Sk=4  ->  . . . x
+                                                                  . . . .   x = hidden)
+    key_lengths [B]     : keys j >= key_lengths[b] hidden (clamped to [0, Sk])
+
+A row with no visible key is all zeros; a row whose scores hold NaN or +inf is NaN.
+CUDA torch tensors run the fused kernel; NumPy arrays and CPU tensors take a float64
+reference path with the same semantics.  Nothing here touches the GPU at import time.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import _args, _reference
+from ._errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    CudaDriverError,
+    DrvSoftmaxError,
+    KernelUnavailableError,
+    NvrtcError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_masked_softmax",
+    "scaled_masked_softmax_backward",
+    "explain",
+    "DrvSoftmaxError",
+    "ArgumentTypeError",
+    "ArgumentValueError",
+    "CudaDriverError",
+    "NvrtcError",
+    "KernelUnavailableError",
+    "__version__",
+]
+
+
+def _torch_front(x):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        from . import torch as front
+
+        return front
+    return None
+
+
+def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, out=None, stream=None):
+    """``softmax(x * scale + bias, axis=-1)``, fused, with every mask source combined.
+
+    Args:
+        x: [..., Sk] scores; float16, bfloat16 or float32 (float64 on the CPU path).
+            Leading dims may have any strides; nothing is copied.
+        mask: optional, broadcastable to x.shape ([B,1,Sq,Sk], [1,1,Sq,Sk], [Sq,Sk],
+            [B,1,1,Sk], ...). bool/integer: nonzero hides. float: added; -inf hides.
+        scale: finite real multiplier applied to x before the mask (0 and negatives too).
+        causal: hide key j from query i when j > i + (Sk - Sq).
+        key_lengths: integers of shape [B] (B = x.shape[0]); keys j >= key_lengths[b] hidden.
+        out: optional destination of x's shape and dtype; ``out=x`` works in place.
+        stream: None for the framework's current stream, else a CUstream, an int handle,
+            or an object with ``__cuda_stream__``.
+
+    Returns y of x's dtype and array type (a torch.Tensor with autograd, or a NumPy array).
+    """
+    front = _torch_front(x)
+    if front is not None:
+        return front.scaled_masked_softmax(
+            x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out, stream=stream
+        )
+    if isinstance(x, np.ndarray):
+        return _numpy_forward(x, mask, scale, causal, key_lengths, out)
+    raise _args.arg_type_error("x", "a torch.Tensor or a numpy.ndarray", type(x).__name__)
+
+
+def scaled_masked_softmax_backward(dy, y, *, scale=1.0, out=None, stream=None):
+    """``dx = scale * y * (dy - sum(dy * y, -1))``; exactly 0 where y == 0.
+
+    dy and y have the same shape and dtype; neither is written unless ``out`` is one of
+    them.  Same array types and streams as the forward.
+    """
+    front = _torch_front(y)
+    if front is not None:
+        return front.scaled_masked_softmax_backward(dy, y, scale=scale, out=out, stream=stream)
+    if isinstance(y, np.ndarray):
+        return _numpy_backward(dy, y, scale, out)
+    raise _args.arg_type_error("y", "a torch.Tensor or a numpy.ndarray", type(y).__name__)
+
+
+def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward=False):
+    """What would run for an input of this shape and dtype: tier, kernel, launch shape.
+
+    Needs no GPU.  Assumes a contiguous layout (16-byte accesses); strided layouts use
+    the same tier with element-wise accesses.
+    """
+    from . import _core, _plan
+
+    shape = tuple(int(n) for n in x_shape)
+    _args.check_x(shape, str(dtype), _args.X_DTYPES_GPU, "on the GPU")
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    itemsize = _plan.X_DTYPES[dtype][1]
+    contig = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    vec = _core._vector_ok(itemsize, [_core.Operand(0, dtype, shape, contig)], shape[:-1])
+    if backward:
+        return _plan.plan_backward(rows, shape[-1], dtype, vec).describe()
+    kind = "none" if mask_dtype is None else _core.MASK_KIND_OF_DTYPE[str(mask_dtype)]
+    return _plan.plan_forward(rows, shape[-1], dtype, kind, vec).describe()
+
+
+# ----------------------------------------------------------------------------------
+# NumPy: the reference path.
+
+def _np_dtype_name(a) -> str:
+    return np.asarray(a).dtype.name
+
+
+def _numpy_forward(x, mask, scale, causal, key_lengths, out):
+    scale = _args.check_scale(scale)
+    causal = _args.check_causal(causal)
+    _args.check_x(x.shape, x.dtype.name, _args.X_DTYPES_CPU, "on the CPU path")
+    if mask is not None:
+        if not isinstance(mask, np.ndarray):
+            raise _args.arg_type_error("mask", "a numpy.ndarray like x (or None)", type(mask).__name__)
+        _args.check_mask_dtype(mask.dtype.name)
+        _args.check_broadcast(mask.shape, x.shape)
+    _args.check_causal_shape(causal, x.shape)
+    if key_lengths is not None:
+        kl = np.asarray(key_lengths)
+        _args.check_key_lengths(kl.shape, kl.dtype.name, x.shape)
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise _args.arg_type_error("out", "a numpy.ndarray like x (or None)", type(out).__name__)
+        _args.check_out(out.shape, out.dtype.name, x.shape, x.dtype.name)
+    y = _reference.softmax_forward(x, mask, scale, causal, key_lengths).astype(x.dtype)
+    if out is not None:
+        out[...] = y
+        return out
+    return y
+
+
+def _numpy_backward(dy, y, scale, out):
+    scale = _args.check_scale(scale)
+    _args.check_x(y.shape, y.dtype.name, _args.X_DTYPES_CPU, "on the CPU path")
+    if not isinstance(dy, np.ndarray):
+        raise _args.arg_type_error("dy", "a numpy.ndarray like y", type(dy).__name__)
+    if dy.shape != y.shape or dy.dtype != y.dtype:
+        raise _args.arg_value_error("dy", f"of y's shape {y.shape} and dtype {y.dtype}",
+                                    f"shape {dy.shape}, dtype {dy.dtype}")
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise _args.arg_type_error("out", "a numpy.ndarray like y (or None)", type(out).__name__)
+        _args.check_out(out.shape, out.dtype.name, y.shape, y.dtype.name)
+    dx = _reference.softmax_backward(dy, y, scale).astype(y.dtype)
+    if out is not None:
+        out[...] = dx
+        return out
+    return dx

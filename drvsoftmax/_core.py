@@ -1,0 +1,322 @@
+"""The framework-free core: pointers, shapes, strides, scale and a stream in; one launch out.
+
+Front doors (torch, CuPy, Numba, raw pointers) describe their arrays as `Operand`s and
+call `forward` / `backward`.  Everything about an input but its pointers is turned into a
+`Prepared` launch once (kernel handle, grid, packed parameters) and cached, so repeated
+calls with the same layout only write pointers and launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from typing import NamedTuple
+
+from . import _plan
+from ._errors import arg_type_error, arg_value_error, check
+
+MAXD = 6   # SMX_MAXD in cuda_src/softmax_common.cuh
+NOP = 5    # SMX_NOP
+# struct FwdParams / BwdParams of cuda_src, field for field (checked by the GPU tests).
+_GEOM = "q6q30qii"
+FWD_STRUCT = struct.Struct("<" + _GEOM + "5qfii4x")
+BWD_STRUCT = struct.Struct("<" + _GEOM + "4qfii4x")
+F_CAUSAL, F_KLEN, F_KLEN64, F_VEC = 1, 2, 4, 8
+
+MASK_KIND_OF_DTYPE = {
+    "bool": "hide1", "int8": "hide1", "uint8": "hide1",
+    "int16": "hide2", "uint16": "hide2",
+    "int32": "hide4", "uint32": "hide4",
+    "int64": "hide8", "uint64": "hide8",
+    "float16": "add_float16", "bfloat16": "add_bfloat16",
+    "float32": "add_float32", "float64": "add_float64",
+}
+KLEN_DTYPES = ("int32", "int64")
+
+
+class Operand(NamedTuple):
+    """An array as the core sees it: data pointer, dtype name, shape, strides in elements."""
+
+    ptr: int
+    dtype: str
+    shape: tuple
+    strides: tuple
+
+
+# ----------------------------------------------------------------------------------
+# Shapes and strides (pure; tested on the CPU).
+
+def broadcast_strides(name: str, shape: tuple, strides: tuple, target: tuple) -> tuple:
+    """Strides of an array of `shape` broadcast to `target` (0 along broadcast dims)."""
+    if len(shape) > len(target) and any(n != 1 for n in shape[: len(shape) - len(target)]):
+        raise arg_value_error(name, f"broadcastable to x.shape {tuple(target)}", f"shape {tuple(shape)}")
+    out = []
+    for i, n in enumerate(target):
+        j = i - len(target) + len(shape)
+        if j < 0:
+            out.append(0)
+        elif shape[j] == n:
+            out.append(strides[j] if n != 1 else 0)
+        elif shape[j] == 1:
+            out.append(0)
+        else:
+            raise arg_value_error(name, f"broadcastable to x.shape {tuple(target)}", f"shape {tuple(shape)}")
+    return tuple(out)
+
+
+def merge_rows(lead: tuple, op_strides: list) -> tuple[int, list, list]:
+    """Merge the leading dims of every operand where all of them allow it.
+
+    `lead` are the leading sizes of x (all but the last dim); `op_strides` holds one
+    stride tuple per operand over those dims.  Returns (rows, sizes, strides per operand)
+    with size-1 dims dropped and mergeable neighbours fused (innermost last).
+    """
+    rows = 1
+    for n in lead:
+        rows *= n
+    dims = [(n, [s[i] for s in op_strides]) for i, n in enumerate(lead) if n != 1]
+    merged: list = []
+    for n, st in dims:
+        if merged:
+            pn, pst = merged[-1]
+            if all(ps == s * n for ps, s in zip(pst, st)):
+                merged[-1] = (pn * n, st)
+                continue
+        merged.append((n, st))
+    sizes = [n for n, _ in merged]
+    strides = [[st[k] for _, st in merged] for k in range(len(op_strides))]
+    return rows, sizes, strides
+
+
+def _geom_fields(rows: int, sizes: list, strides: list) -> list:
+    if len(sizes) > MAXD:
+        raise arg_value_error(
+            "x", f"a layout whose leading dims merge into at most {MAXD}", f"{len(sizes)} unmergeable dims"
+        )
+    nd = len(sizes)
+    pad = MAXD - nd
+    fields = [rows] + sizes + [1] * pad
+    for k in range(NOP):
+        st = strides[k] if k < len(strides) else [0] * nd
+        fields += list(st) + [0] * pad
+    small = rows < 2**32 and all(n < 2**32 for n in sizes)
+    return fields + [nd, int(small)]
+
+
+def _vector_ok(itemsize: int, ops: list, lead: tuple) -> bool:
+    """16-byte accesses are possible for these (x-like) operands, alignment of pointers aside."""
+    n = 16 // itemsize
+    for op in ops:
+        if len(op.shape) and op.shape[-1] > 1 and op.strides[-1] != 1:
+            return False
+        for size, st in zip(lead, op.strides[:-1]):
+            if size != 1 and st % n:
+                return False
+    return True
+
+
+# ----------------------------------------------------------------------------------
+# Prepared launches.
+
+class Prepared:
+    """Everything of one launch but the pointers and the stream."""
+
+    __slots__ = ("dev", "kernel", "grid", "block", "params", "params_addr", "plan", "nargs")
+
+    def __init__(self, dev, plan: _plan.LaunchPlan, packed: bytes, nargs: int):
+        self.dev = dev
+        self.plan = plan
+        self.kernel = dev.kernel(plan.kernel)
+        self.grid, self.block = plan.grid, plan.block
+        self.params = ctypes.create_string_buffer(packed, len(packed))
+        self.params_addr = ctypes.addressof(self.params)
+        self.nargs = nargs
+
+
+_cache: dict = {}
+_cache_lock = threading.Lock()
+_CACHE_MAX = 4096
+
+
+def _remember(key, prep: Prepared) -> Prepared:
+    with _cache_lock:
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        _cache[key] = prep
+    return prep
+
+
+def check_forward(x: Operand, y: Operand, mask: Operand | None, klen: Operand | None, causal: bool) -> None:
+    """Argument checks of the kernel path that the front doors cannot do themselves."""
+    if x.dtype not in _plan.X_DTYPES:
+        raise arg_type_error("x", "float16, bfloat16 or float32 on the GPU", f"dtype {x.dtype}")
+    if y.dtype != x.dtype:
+        raise arg_type_error("out", f"of x's dtype {x.dtype}", f"dtype {y.dtype}")
+    if tuple(y.shape) != tuple(x.shape):
+        raise arg_value_error("out", f"of x's shape {tuple(x.shape)}", f"shape {tuple(y.shape)}")
+    if mask is not None and mask.dtype not in MASK_KIND_OF_DTYPE:
+        raise arg_type_error("mask", "bool, an integer or a float dtype", f"dtype {mask.dtype}")
+    if klen is not None and klen.dtype not in KLEN_DTYPES:
+        raise arg_type_error("key_lengths", "int32 or int64 on the GPU", f"dtype {klen.dtype}")
+
+
+def prepare_forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None,
+                    causal: bool, scale: float, aligned: bool) -> Prepared:
+    shape = tuple(x.shape)
+    lead = shape[:-1]
+    sk = shape[-1]
+    nd = len(shape)
+    ops = [x.strides[:-1], y.strides[:-1]]
+    flags = 0
+    sm = 0
+    if mask is not None:
+        mst = broadcast_strides("mask", tuple(mask.shape), tuple(mask.strides), shape)
+        ops.append(mst[:-1])
+        sm = mst[-1]
+        mask_kind = MASK_KIND_OF_DTYPE[mask.dtype]
+    else:
+        ops.append((0,) * (nd - 1))
+        mask_kind = "none"
+    if klen is not None:
+        ops.append((klen.strides[0],) + (0,) * (nd - 2))
+        flags |= F_KLEN | (F_KLEN64 if klen.dtype == "int64" else 0)
+    else:
+        ops.append((0,) * (nd - 1))
+    if causal:
+        ops.append((0,) * (nd - 2) + (1,))
+        flags |= F_CAUSAL
+        shift = sk - shape[-2]
+    else:
+        ops.append((0,) * (nd - 1))
+        shift = 0
+    rows, sizes, strides = merge_rows(lead, ops)
+    vec = aligned and _vector_ok(_plan.X_DTYPES[x.dtype][1], [x, y], lead)
+    if vec:
+        flags |= F_VEC
+    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec)
+    packed = FWD_STRUCT.pack(
+        *_geom_fields(rows, sizes, strides),
+        sk, x.strides[-1], y.strides[-1], sm, shift,
+        scale, flags, plan.tpr_log2,
+    )
+    return Prepared(dev, plan, packed, 5)
+
+
+def prepare_backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> Prepared:
+    shape = tuple(y.shape)
+    lead = shape[:-1]
+    rows, sizes, strides = merge_rows(lead, [dy.strides[:-1], y.strides[:-1], dx.strides[:-1]])
+    vec = aligned and _vector_ok(_plan.X_DTYPES[y.dtype][1], [dy, y, dx], lead)
+    plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec)
+    packed = BWD_STRUCT.pack(
+        *_geom_fields(rows, sizes, strides),
+        shape[-1], dy.strides[-1], y.strides[-1], dx.strides[-1],
+        scale, F_VEC if vec else 0, plan.tpr_log2,
+    )
+    return Prepared(dev, plan, packed, 4)
+
+
+# ----------------------------------------------------------------------------------
+# Launching.
+
+class _ThreadArgs(threading.local):
+    """Per-thread argument slots: the driver copies them at launch, so they are reused."""
+
+    def __init__(self):
+        self.slots = (ctypes.c_uint64 * 4)()
+        base = ctypes.addressof(self.slots)
+        self.argv5 = (ctypes.c_void_p * 5)(base, base + 8, base + 16, base + 24, None)
+        self.argv4 = (ctypes.c_void_p * 4)(base, base + 8, base + 16, None)
+        self.argv5_addr = ctypes.addressof(self.argv5)
+        self.argv4_addr = ctypes.addressof(self.argv4)
+
+
+_targs = _ThreadArgs()
+_streams: dict = {}
+_LEGACY_STREAMS = (0, 1, 2)  # NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+
+
+def _stream_obj(handle: int):
+    s = _streams.get(handle)
+    if s is None:
+        from cuda.bindings import driver
+
+        if len(_streams) > 256:
+            _streams.clear()
+        s = _streams[handle] = driver.CUstream(handle)
+    return s
+
+
+def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int) -> None:
+    """One cuLaunchKernel of a prepared launch with these pointers on `stream`."""
+    a = _targs
+    s = a.slots
+    s[0] = p0
+    s[1] = p1
+    s[2] = p2
+    s[3] = p3
+    if prep.nargs == 5:
+        a.argv5[4] = prep.params_addr
+        argv_addr = a.argv5_addr
+    else:
+        a.argv4[3] = prep.params_addr
+        argv_addr = a.argv4_addr
+    if stream in _LEGACY_STREAMS:
+        _launch_on_legacy(prep, argv_addr, stream)
+        return
+    from cuda.bindings import driver
+
+    err = driver.cuLaunchKernel(
+        prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0
+    )[0]
+    if err:
+        check((err,), "cuLaunchKernel")
+
+
+def _launch_on_legacy(prep: Prepared, argv_addr: int, stream: int) -> None:
+    """A legacy/NULL stream means 'of the current context': make it the right device's."""
+    from cuda.bindings import driver
+
+    ctx = prep.dev.ctx
+    cur = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    pushed = cur != ctx
+    if pushed:
+        check(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        check(
+            driver.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0,
+                                  _stream_obj(stream), argv_addr, 0),
+            "cuLaunchKernel",
+        )
+    finally:
+        if pushed:
+            check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None,
+            causal: bool, scale: float, stream: int) -> None:
+    """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
+    aligned = not ((x.ptr | y.ptr) & 15)
+    key = (
+        dev.ordinal, x.dtype, x.shape, x.strides, y.strides,
+        mask[1:] if mask is not None else None,
+        klen[1:] if klen is not None else None,
+        causal, scale, aligned,
+    )
+    prep = _cache.get(key)
+    if prep is None:
+        check_forward(x, y, mask, klen, causal)
+        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned))
+    launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream)
+
+
+def backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, stream: int) -> None:
+    aligned = not ((dy.ptr | y.ptr | dx.ptr) & 15)
+    key = ("bwd", dev.ordinal, y.dtype, y.shape, dy.strides, y.strides, dx.strides, scale, aligned)
+    prep = _cache.get(key)
+    if prep is None:
+        if y.dtype not in _plan.X_DTYPES:
+            raise arg_type_error("y", "float16, bfloat16 or float32 on the GPU", f"dtype {y.dtype}")
+        prep = _remember(key, prepare_backward(dev, dy, y, dx, scale, aligned))
+    launch(prep, dy.ptr, y.ptr, dx.ptr, 0, stream)

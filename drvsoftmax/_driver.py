@@ -1,0 +1,114 @@
+"""Devices through the CUDA driver API: initialisation, primary contexts, kernels.
+
+Nothing here runs at import time.  The first call that needs a device initialises the
+driver, retains the device's primary context (the one PyTorch, CuPy and JAX use) and
+reads the device's architecture once.  Kernels are looked up once per device and
+loaded into its context before the first launch, so that later launches (also inside
+a CUDA graph capture) only launch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from . import _loader
+from ._errors import DrvSoftmaxError, check
+
+_lock = threading.RLock()
+_init_pid: int | None = None
+_driver_version: int | None = None
+_devices: dict[int, Device] = {}
+
+
+def _drv():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def init() -> None:
+    global _init_pid, _driver_version
+    pid = os.getpid()
+    if _init_pid == pid:
+        return
+    with _lock:
+        if _init_pid == pid:
+            return
+        if _init_pid is not None:
+            raise DrvSoftmaxError(
+                "drvsoftmax used CUDA before this process was forked; CUDA does not survive "
+                "fork(). Use the 'spawn' start method for worker processes that use the GPU."
+            )
+        d = _drv()
+        check(d.cuInit(0), "cuInit")
+        _driver_version = int(check(d.cuDriverGetVersion(), "cuDriverGetVersion"))
+        _init_pid = pid
+
+
+def driver_version() -> int:
+    init()
+    assert _driver_version is not None
+    return _driver_version
+
+
+class Device:
+    """One CUDA device: primary context, architecture, and its loaded kernels."""
+
+    def __init__(self, ordinal: int):
+        d = _drv()
+        self.ordinal = ordinal
+        self.cudev = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
+        A = d.CUdevice_attribute
+        major = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cudev))
+        minor = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cudev))
+        self.sm_count = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cudev))
+        self.cc = int(major) * 10 + int(minor)
+        self.arch = f"sm_{self.cc}"
+        name = check(d.cuDeviceGetName(256, self.cudev), "cuDeviceGetName")
+        self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
+        self.ctx = check(d.cuDevicePrimaryCtxRetain(self.cudev), "cuDevicePrimaryCtxRetain")
+        self._kernels: dict[str, object] = {}
+        self.origins: dict[str, str] = {}
+
+    def kernel(self, name: str):
+        """The CUkernel `name`, loaded into this device's context."""
+        k = self._kernels.get(name)
+        if k is not None:
+            return k
+        with _lock:
+            k = self._kernels.get(name)
+            if k is not None:
+                return k
+            k, origin = _loader.find_kernel(name, self.arch, driver_version())
+            d = _drv()
+            # Load it into this device's context now (lazy loading would otherwise do it
+            # at the first launch, which may be inside a graph capture).
+            check(d.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+            try:
+                check(d.cuKernelGetFunction(k), "cuKernelGetFunction")
+            finally:
+                check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+            self.origins[name] = origin
+            self._kernels[name] = k
+            return k
+
+
+def device(ordinal: int) -> Device:
+    dev = _devices.get(ordinal)
+    if dev is not None and _init_pid == os.getpid():
+        return dev
+    init()
+    with _lock:
+        dev = _devices.get(ordinal)
+        if dev is None:
+            count = check(_drv().cuDeviceGetCount(), "cuDeviceGetCount")
+            if not 0 <= ordinal < count:
+                raise DrvSoftmaxError(f"device ordinal {ordinal} out of range: {count} CUDA device(s)")
+            dev = _devices[ordinal] = Device(ordinal)
+        return dev
+
+
+def device_count() -> int:
+    init()
+    return int(check(_drv().cuDeviceGetCount(), "cuDeviceGetCount"))

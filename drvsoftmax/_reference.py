@@ -1,0 +1,68 @@
+"""The reference semantics, in NumPy and float64.
+
+This is the CPU path of the public functions and the oracle the GPU tests compare
+against.  It spells the contract out literally; speed is no concern here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(a) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype.kind in "fiub":
+        return a.astype(np.float64)
+    return a.astype(np.float32).astype(np.float64)  # bfloat16 (ml_dtypes) and friends
+
+
+def is_float_dtype(dt: np.dtype) -> bool:
+    return dt.kind == "f" or dt.name == "bfloat16"
+
+
+def hidden_positions(shape, mask=None, causal=False, key_lengths=None):
+    """Boolean array broadcastable to `shape`: True where a key is hidden by a
+    boolean/integer mask, by causality or by key_lengths."""
+    sk = shape[-1]
+    hidden = np.zeros((1,) * len(shape), dtype=bool)
+    if mask is not None and not is_float_dtype(np.asarray(mask).dtype):
+        hidden = hidden | (np.asarray(mask) != 0)
+    j = np.arange(sk)
+    if causal:
+        sq = shape[-2]
+        i = np.arange(sq)[:, None]
+        hidden = hidden | (j[None, :] > i + (sk - sq))
+    if key_lengths is not None:
+        kl = np.asarray(key_lengths).astype(np.int64).reshape((shape[0],) + (1,) * (len(shape) - 1))
+        hidden = hidden | (j >= kl)
+    return hidden
+
+
+def softmax_forward(x, mask=None, scale=1.0, causal=False, key_lengths=None) -> np.ndarray:
+    """y = softmax(x * scale + bias) in float64, with drvsoftmax's rules:
+    hidden keys are exactly 0, a row with no visible key is all 0, a row whose biased
+    scores hold NaN or +inf is all NaN."""
+    xf = _f64(x)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        v = xf * float(scale)
+        if mask is not None and is_float_dtype(np.asarray(mask).dtype):
+            v = v + _f64(mask)
+        v = np.where(hidden_positions(xf.shape, mask, causal, key_lengths), -np.inf, v)
+        v = np.broadcast_to(v, xf.shape)
+        bad = np.any(np.isnan(v) | (v == np.inf), axis=-1, keepdims=True)
+        m = np.max(np.where(np.isnan(v), -np.inf, v), axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(v - m)
+        s = e.sum(axis=-1, keepdims=True)
+        y = np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0)
+        y = np.where(bad, np.nan, y)
+    return y
+
+
+def softmax_backward(dy, y, scale=1.0) -> np.ndarray:
+    """dx = scale * y * (dy - sum(dy * y)) in float64; exactly 0 where y == 0."""
+    dyf, yf = _f64(dy), _f64(y)
+    with np.errstate(invalid="ignore", over="ignore"):
+        dot = np.sum(dyf * yf, axis=-1, keepdims=True)
+        dx = float(scale) * yf * (dyf - dot)
+    return np.where(yf == 0, 0.0, dx)

@@ -1,0 +1,211 @@
+"""The fused kernels on a GPU against the float64 reference, on fresh random inputs.
+
+Skips cleanly where there is no CUDA GPU.  Every output is poisoned with NaN first, so an
+element the kernel fails to write shows up as a NaN the reference does not have.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_matches, requires_cuda
+
+import drvsoftmax
+from drvsoftmax import _reference
+
+torch = pytest.importorskip("torch")
+pytestmark = requires_cuda
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Row lengths at the tier boundaries: 1 element, odd sizes, a warp's worth of chunks +-1,
+# the register tier's capacity (32768 16-bit / 16384 fp32 elements) and the looped tier.
+SKS = [1, 2, 3, 31, 32, 33, 127, 128, 1000, 1023, 1024, 1025, 2048, 4097, 16384, 65536]
+MASKS = ["none", "bool_b1qk", "uint8_11qk", "int8_qk", "bool_b11k", "int64_bhqk",
+         "add_own_b1qk", "add_f32_qk", "add_f16_b11k", "add_bf16_11qk", "add_f64_bhqk"]
+
+_gen = np.random.default_rng(20261129)
+
+
+def _np(t):
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy()
+
+
+def _shape_for(sk: int):
+    # Enough rows to fill several blocks at short lengths, few at long ones.
+    if sk <= 128:
+        return (2, 3, 7, sk)
+    if sk <= 4097:
+        return (2, 2, 3, sk)
+    return (1, 2, 2, sk)
+
+
+def _make_mask(kind: str, shape, dtype):
+    if kind == "none":
+        return None
+    b, h, q, k = shape
+    dims = {"b1qk": (b, 1, q, k), "11qk": (1, 1, q, k), "qk": (q, k), "b11k": (b, 1, 1, k), "bhqk": (b, h, q, k)}
+    mshape = dims[kind.rsplit("_", 1)[1]]
+    if kind.startswith("add"):
+        mdt = {"own": dtype, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+               "f64": torch.float64}[kind.split("_")[1]]
+        m = torch.from_numpy(_gen.standard_normal(mshape)).to(mdt)
+        hide = torch.from_numpy(_gen.random(mshape) < 0.2)
+        return m.masked_fill(hide, float("-inf")).cuda()
+    mdt = {"bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int64": torch.int64}[kind.split("_")[0]]
+    hide = _gen.random(mshape) < 0.3
+    vals = _gen.integers(1, 5, mshape) * hide
+    return torch.from_numpy(vals).to(mdt).cuda()
+
+
+def _rand(shape, dtype, scale=3.0):
+    return (torch.from_numpy(_gen.standard_normal(shape) * scale)).to(dtype).cuda()
+
+
+def _check_forward(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, what=""):
+    dt = str(x.dtype).replace("torch.", "")
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out)
+    assert y is out
+    torch.cuda.synchronize()
+    ref = _reference.softmax_forward(_np(x), None if mask is None else _np(mask), scale, causal,
+                                     None if key_lengths is None else _np(key_lengths))
+    got = _np(y)
+    assert_matches(got, ref, dt, what)
+    hidden = np.broadcast_to(_reference.hidden_positions(x.shape, None if mask is None else _np(mask),
+                                                         causal, None if key_lengths is None else _np(key_lengths)),
+                             x.shape)
+    assert np.all(got[hidden] == 0), f"{what}: hidden positions are not exactly 0"
+    visible_rows = ~np.all(np.broadcast_to(ref == 0, ref.shape), axis=-1)
+    sums = got.sum(-1, dtype=np.float64)
+    tol = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4}[dt] * max(1.0, np.sqrt(x.shape[-1]) / 16)
+    if not np.isnan(ref).any():
+        assert np.all(np.abs(sums[visible_rows] - 1) < tol), f"{what}: rows do not sum to 1"
+        assert np.all(sums[~visible_rows] == 0)
+    return y
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", SKS)
+@pytest.mark.parametrize("mask", MASKS)
+def test_forward_grid(dtype, sk, mask):
+    shape = _shape_for(sk)
+    x = _rand(shape, DTYPES[dtype])
+    m = _make_mask(mask, shape, DTYPES[dtype])
+    _check_forward(x, m, scale=0.37, what=f"{dtype} Sk={sk} mask={mask}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", SKS)
+def test_forward_all_sources_together(dtype, sk):
+    b, h, q = (3, 2, 5) if sk <= 4097 else (2, 1, 3)
+    x = _rand((b, h, q, sk), DTYPES[dtype])
+    m = _make_mask("bool_b1qk", (b, h, q, sk), DTYPES[dtype])
+    kl = torch.tensor([sk, max(1, sk // 2), 0][:b], dtype=torch.int64, device="cuda")
+    _check_forward(x, m, scale=-0.8, causal=True, key_lengths=kl, what=f"{dtype} Sk={sk} all")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sq,sk", [(1, 7), (4, 9), (9, 4), (3, 33000), (130, 130), (5, 1)])
+def test_causal_bottom_right(dtype, sq, sk):
+    x = _rand((2, 2, sq, sk), DTYPES[dtype])
+    _check_forward(x, causal=True, scale=0.5, what=f"causal {sq}x{sk}")
+
+
+@pytest.mark.parametrize("kl_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sk", [5, 300, 20000, 40000])
+def test_key_lengths(kl_dtype, sk):
+    x = _rand((4, 2, 3, sk), torch.float16)
+    kl = torch.tensor([sk, 1, 0, sk + 10], dtype=kl_dtype, device="cuda")  # 0 and > Sk are legal
+    _check_forward(x, key_lengths=kl, what=f"key_lengths Sk={sk}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [3, 64, 1000, 20000, 40000])
+def test_nonfinite_rows(dtype, sk):
+    x = _rand((1, 1, 6, sk), DTYPES[dtype])
+    x[0, 0, 0, 1 % sk] = float("nan")       # NaN row
+    x[0, 0, 1, 0] = float("inf")            # +inf row
+    x[0, 0, 2, :] = float("-inf")           # every score -inf: hidden, zeros
+    x[0, 0, 3, sk - 1] = float("-inf")      # one -inf key: hidden
+    m = torch.zeros((1, 1, 6, sk), dtype=torch.bool, device="cuda")
+    m[0, 0, 4, :] = True                    # fully masked row
+    m[0, 0, 5, 0] = True
+    x[0, 0, 5, 0] = float("nan")            # NaN under a boolean mask is hidden, not NaN
+    _check_forward(x, m, what=f"nonfinite Sk={sk}")
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.5, 1e-30, 1e4])
+def test_scales(scale):
+    x = _rand((2, 3, 4, 77), torch.float32)
+    _check_forward(x, scale=scale, what=f"scale={scale}")
+
+
+@pytest.mark.parametrize("sk", [33, 1024, 40000])
+def test_strided_inputs_are_not_copied(sk):
+    base = _rand((3, 4, 6, 2 * sk + 8), torch.float16)
+    views = {
+        "transpose": base[..., :sk].transpose(1, 2),
+        "slice": base[:, 1:3, ::2, 4:4 + sk],
+        "last_dim_stride2": base[..., : 2 * sk : 2],
+        "expanded_rows": base[:1, :1, :1, :sk].expand(2, 3, 5, sk),
+    }
+    for name, v in views.items():
+        _check_forward(v, _make_mask("bool_b11k", tuple(v.shape), v.dtype), scale=0.3, what=name)
+
+
+def test_in_place_out_equals_x():
+    for sk in (100, 40000):
+        x = _rand((2, 2, 3, sk), torch.bfloat16)
+        ref = _reference.softmax_forward(_np(x), None, 0.7, True, None)
+        y = drvsoftmax.scaled_masked_softmax(x, scale=0.7, causal=True, out=x)
+        assert y is x
+        torch.cuda.synchronize()
+        assert_matches(_np(x), ref, "bfloat16", f"out=x Sk={sk}")
+
+
+def test_empty_inputs_launch_nothing():
+    for shape in [(0, 3, 4, 5), (2, 0, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)]:
+        x = torch.empty(shape, dtype=torch.float16, device="cuda")
+        y = drvsoftmax.scaled_masked_softmax(x, scale=2.0, causal=True)
+        assert y.shape == x.shape and y.dtype == x.dtype and y.is_cuda
+
+
+def test_non_default_stream_and_explicit_stream_argument():
+    x = _rand((4, 8, 128, 1000), torch.float16)
+    ref = _reference.softmax_forward(_np(x), None, 0.25)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = drvsoftmax.scaled_masked_softmax(x, scale=0.25)
+    s.synchronize()
+    assert_matches(_np(y), ref, "float16", "current stream")
+    y2 = drvsoftmax.scaled_masked_softmax(x, scale=0.25, stream=s.cuda_stream)
+    s.synchronize()
+    assert_matches(_np(y2), ref, "float16", "stream=int")
+
+
+# ----------------------------------------------------------------------------------
+# Backward
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", SKS)
+def test_backward_grid(dtype, sk):
+    shape = _shape_for(sk)
+    x = _rand(shape, DTYPES[dtype])
+    m = _make_mask("bool_b1qk", shape, DTYPES[dtype])
+    y = drvsoftmax.scaled_masked_softmax(x, m, scale=0.5, causal=True)
+    dy = _rand(shape, DTYPES[dtype], 1.0)
+    dy_before, y_before = dy.clone(), y.clone()
+    out = torch.full(shape, float("nan"), dtype=DTYPES[dtype], device="cuda")
+    dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.5, out=out)
+    torch.cuda.synchronize()
+    ref = _reference.softmax_backward(_np(dy), _np(y), 0.5)
+    got = _np(dx)
+    # Backward error scales with |dy| * y; compare against that magnitude.
+    scale_ref = np.abs(_np(y)) * (np.abs(_np(dy)) + np.abs((_np(dy) * _np(y)).sum(-1, keepdims=True))) * 0.5
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5}[dtype]
+    assert np.all(np.abs(got - ref) <= tol * scale_ref + 1e-7), f"{dtype} Sk={sk}: backward mismatch"
+    assert np.all(got[_np(y) == 0] == 0), "hidden positions must get exactly 0"
+    assert torch.equal(dy, dy_before) and torch.equal(y, y_before), "dy and y must not be written"
