@@ -211,7 +211,8 @@ def _mask_grad(g: Tensor, mask: Tensor) -> Tensor:
     """dL/dmask: g summed over the dims mask was broadcast along."""
     shape = tuple(mask.shape)
     core = shape[max(0, len(shape) - g.dim()):]
-    return g.float().sum_to_size(core).reshape(shape).to(mask.dtype)
+    acc = torch.promote_types(g.dtype, torch.float32)  # sum 16-bit gradients in fp32
+    return g.to(acc).sum_to_size(core).reshape(shape).to(mask.dtype)
 
 
 def _grads(gy, y, mask, scale, need_x, need_mask, bwd):
@@ -243,8 +244,12 @@ class _SoftmaxFn(torch.autograd.Function):
     def backward(ctx, gy):
         y, mask = ctx.saved_tensors
         need_mask = ctx.mask_float and ctx.needs_input_grad[1]
-        dx, dmask = _grads(gy, y, mask, ctx.scale, ctx.needs_input_grad[0], need_mask,
-                           lambda a, b, s: _backward_impl(a, b, s, None, ctx.stream))
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
+            bwd = torch.ops.drvsoftmax.scaled_masked_softmax_backward
+        else:
+            def bwd(a, b, s):
+                return _backward_impl(a, b, s, None, ctx.stream)
+        dx, dmask = _grads(gy, y, mask, ctx.scale, ctx.needs_input_grad[0], need_mask, bwd)
         return dx, dmask, None, None, None, None
 
 

@@ -1,0 +1,269 @@
+"""PyTorch integration: autograd, torch.library ops, torch.compile, export, graphs, streams.
+
+Tests run on the CPU reference path everywhere and again on CUDA where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_matches, cuda_available, requires_cuda
+
+torch = pytest.importorskip("torch")
+import drvsoftmax  # noqa: E402
+from drvsoftmax import _reference  # noqa: E402
+from drvsoftmax.torch import ScaledMaskedSoftmax  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torch_reference(x, mask=None, scale=1.0, causal=False):
+    """The contract written with torch ops (differentiable), for gradients."""
+    v = x * scale
+    sq, sk = x.shape[-2], x.shape[-1]
+    hidden = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    if causal:
+        hidden = hidden | torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(sk - sq + 1)
+    if mask is not None:
+        if mask.is_floating_point():
+            v = v + mask
+        else:
+            hidden = hidden | (mask != 0)
+    v = v.masked_fill(hidden, float("-inf"))
+    return torch.softmax(v, -1).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_matches_torch_and_mask_bias_gets_gradient(device):
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    x = torch.randn(2, 3, 5, 37, generator=g, dtype=dtype).to(device).requires_grad_()
+    bias = torch.randn(1, 3, 5, 37, generator=g, dtype=dtype).to(device).requires_grad_()
+    dy = torch.randn(2, 3, 5, 37, generator=g, dtype=dtype).to(device)
+    y = drvsoftmax.scaled_masked_softmax(x, bias, scale=0.7, causal=True)
+    gx, gb = torch.autograd.grad(y, (x, bias), dy)
+    x2, b2 = x.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    y2 = torch_reference(x2, b2, 0.7, True)
+    rx, rb = torch.autograd.grad(y2, (x2, b2), dy.double())
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(y.double(), y2, **tol)
+    torch.testing.assert_close(gx.double(), rx, **tol)
+    torch.testing.assert_close(gb.double(), rb, **tol)
+    assert gb.shape == bias.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_mask_and_key_lengths_get_no_gradient(device):
+    x = torch.randn(2, 2, 4, 9, device=device, requires_grad=True)
+    m = torch.rand(2, 1, 4, 9, device=device) < 0.3
+    kl = torch.tensor([9, 4], device=device)
+    y = drvsoftmax.scaled_masked_softmax(x, m, key_lengths=kl, causal=True)
+    (gx,) = torch.autograd.grad(y.sum() + (y * y).sum(), (x,))
+    assert torch.isfinite(gx).all()
+    hidden = torch.from_numpy(np.broadcast_to(
+        _reference.hidden_positions(tuple(x.shape), m.cpu().numpy(), True, kl.cpu().numpy()), x.shape).copy())
+    assert (gx.cpu()[hidden] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_saves_y_not_x(device):
+    x = torch.randn(2, 3, 4, 16, device=device, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+    ptrs = [t.data_ptr() for t in saved]
+    assert y.data_ptr() in ptrs
+    assert x.data_ptr() not in ptrs
+
+
+def test_gradcheck_cpu_float64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 1, 1, 6, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(a, b):
+        return drvsoftmax.scaled_masked_softmax(a, b, scale=-0.6, causal=True)
+
+    assert torch.autograd.gradcheck(f, (x, bias))
+    assert torch.autograd.gradgradcheck(lambda a: drvsoftmax.scaled_masked_softmax(a, scale=0.4), (x,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_both_ops(device):
+    dtype = torch.float32
+    x = torch.randn(2, 3, 4, 40, device=device, dtype=dtype, requires_grad=True)
+    for mask in (None, torch.rand(2, 1, 4, 40, device=device) < 0.2,
+                 torch.randn(1, 1, 4, 40, device=device, dtype=dtype, requires_grad=True)):
+        for kl in (None, torch.tensor([40, 7], device=device)):
+            torch.library.opcheck(torch.ops.drvsoftmax.scaled_masked_softmax, (x, mask, 0.5, True, kl))
+    y = torch.softmax(torch.randn(2, 3, 4, 40, device=device), -1).requires_grad_()
+    dy = torch.randn(2, 3, 4, 40, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.drvsoftmax.scaled_masked_softmax_backward, (dy, y, 0.5))
+
+
+def _attention(q, k, v, bias):
+    s = q @ k.transpose(-1, -2)
+    p = drvsoftmax.scaled_masked_softmax(s, bias, scale=1.0 / math.sqrt(q.shape[-1]), causal=True)
+    return p @ v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=g).to(device).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, 2, 8, 8, generator=g).to(device).requires_grad_()
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(_attention, fullgraph=True, backend=backend)
+    out_c = compiled(q, k, v, bias)
+    out_e = _attention(q, k, v, bias)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+    gc = torch.autograd.grad(out_c.sum(), (q, k, v, bias))
+    ge = torch.autograd.grad(out_e.sum(), (q, k, v, bias))
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_and_export(device):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sm = ScaledMaskedSoftmax(scale=0.25, causal=True)
+
+        def forward(self, s, m):
+            return self.sm(s, m)
+
+    s = torch.randn(2, 3, 6, 6, device=device)
+    m = torch.rand(2, 1, 6, 6, device=device) < 0.2
+    ep = torch.export.export(Block(), (s, m))
+    assert "drvsoftmax.scaled_masked_softmax" in str(ep.graph)
+    torch.testing.assert_close(ep.module()(s, m), Block()(s, m))
+    torch.testing.assert_close(Block()(s, m), torch_reference(s, m, 0.25, True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_with_grad_is_refused_and_autocast_keeps_dtype(device):
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="out"):
+        drvsoftmax.scaled_masked_softmax(x, out=torch.empty(2, 4, device=device))
+    dev_type = "cuda" if device == "cuda" else "cpu"
+    ac_dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    with torch.autocast(dev_type, dtype=ac_dtype):
+        y = drvsoftmax.scaled_masked_softmax(x.detach())
+    assert y.dtype == torch.float32  # inputs keep their dtype: no silent down- or up-cast
+
+
+def test_example_runs():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_attention.py")], capture_output=True,
+                       text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "max |drvsoftmax - PyTorch|" in r.stdout
+
+
+# ----------------------------------------------------------------------------------
+# CUDA only: graphs, streams, threads, devices.
+
+def _fresh(shape, dtype=torch.float16):
+    return (torch.randn(shape, device="cuda") * 3).to(dtype)
+
+
+@requires_cuda
+def test_cuda_graph_capture_and_replay_forward_backward():
+    x = _fresh((2, 4, 64, 300))
+    m = torch.rand(2, 1, 64, 300, device="cuda") < 0.2
+    dy = _fresh((2, 4, 64, 300))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: compile, load, prepare
+        for _ in range(2):
+            y = drvsoftmax.scaled_masked_softmax(x, m, scale=0.3)
+            dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.3)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = drvsoftmax.scaled_masked_softmax(x, m, scale=0.3)
+        dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.3)
+    for _ in range(2):
+        x.copy_(_fresh(x.shape))
+        dy.copy_(_fresh(dy.shape))
+        y.fill_(float("nan"))
+        dx.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ry = _reference.softmax_forward(x.float().cpu().numpy(), m.cpu().numpy(), 0.3)
+        assert_matches(y.float().cpu().numpy(), ry, "float16", "graph forward")
+        rdx = _reference.softmax_backward(dy.float().cpu().numpy(), y.float().cpu().numpy(), 0.3)
+        np.testing.assert_allclose(dx.float().cpu().numpy(), rdx, atol=2e-3, rtol=2e-2)
+
+
+@requires_cuda
+def test_long_producer_on_same_stream_needs_no_host_sync():
+    s = torch.cuda.Stream()
+    x = torch.empty((8, 16, 128, 512), device="cuda", dtype=torch.float16)
+    src = _fresh(x.shape)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)          # ~25 ms of GPU time before the data exists
+        x.copy_(src)
+        y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+        z = drvsoftmax.scaled_masked_softmax_backward(y, y, scale=1.0)
+    assert not s.query(), "the producer should still be running: our op must not have synchronised"
+    s.synchronize()
+    ref = _reference.softmax_forward(src.float().cpu().numpy(), None, 0.5)
+    assert_matches(y.float().cpu().numpy(), ref, "float16", "after producer")
+    assert torch.isfinite(z).all()
+
+
+@requires_cuda
+def test_threads_without_a_current_context():
+    x = _fresh((3, 5, 200))
+    ref = _reference.softmax_forward(x.float().cpu().numpy(), None, 1.0)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(20):
+                y = drvsoftmax.scaled_masked_softmax(x)   # NULL stream, fresh thread
+                s = torch.cuda.Stream()
+                y2 = drvsoftmax.scaled_masked_softmax(x, stream=s)
+                s.synchronize()
+                torch.cuda.synchronize()
+                results.append((y.float().cpu().numpy(), y2.float().cpu().numpy()))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for a, b in results:
+        assert_matches(a, ref, "float16", "thread")
+        assert_matches(b, ref, "float16", "thread, own stream")
+
+
+@requires_cuda
+def test_tensor_on_another_device_than_current():
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs two GPUs: a tensor on cuda:1 while cuda:0 is current")
+    with torch.cuda.device(0):
+        x = _fresh((2, 3, 4, 100)).to("cuda:1")
+        y = drvsoftmax.scaled_masked_softmax(x, causal=True)
+        torch.cuda.synchronize(1)
+    assert y.device == x.device
+    ref = _reference.softmax_forward(x.float().cpu().numpy(), None, 1.0, True)
+    assert_matches(y.float().cpu().numpy(), ref, "float16", "cuda:1")
