@@ -52,11 +52,16 @@ __all__ = [
 ]
 
 
+_tfront = None  # drvsoftmax.torch, once a torch tensor has been seen
+
+
 def _torch_front(x):
+    global _tfront
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         from . import torch as front
 
+        _tfront = front
         return front
     return None
 
@@ -76,16 +81,24 @@ def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=
         stream: None for the framework's current stream, else a CUstream, an int handle,
             or an object with ``__cuda_stream__``.
 
-    Returns y of x's dtype and array type (a torch.Tensor with autograd, or a NumPy array).
+    Returns y of x's dtype and array type: a torch.Tensor (with autograd), a CuPy or Numba
+    device array, or a NumPy array.
     """
-    front = _torch_front(x)
+    front = _tfront
+    if front is None or not isinstance(x, front.Tensor):
+        front = _torch_front(x)
     if front is not None:
         return front.scaled_masked_softmax(
             x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out, stream=stream
         )
     if isinstance(x, np.ndarray):
         return _numpy_forward(x, mask, scale, causal, key_lengths, out)
-    raise _args.arg_type_error("x", "a torch.Tensor or a numpy.ndarray", type(x).__name__)
+    if hasattr(x, "__cuda_array_interface__"):  # CuPy, Numba, ...
+        from . import _cai
+
+        return _cai.forward(x, mask, scale, causal, key_lengths, out, stream)
+    raise _args.arg_type_error(
+        "x", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(x).__name__)
 
 
 def scaled_masked_softmax_backward(dy, y, *, scale=1.0, out=None, stream=None):
@@ -99,7 +112,12 @@ def scaled_masked_softmax_backward(dy, y, *, scale=1.0, out=None, stream=None):
         return front.scaled_masked_softmax_backward(dy, y, scale=scale, out=out, stream=stream)
     if isinstance(y, np.ndarray):
         return _numpy_backward(dy, y, scale, out)
-    raise _args.arg_type_error("y", "a torch.Tensor or a numpy.ndarray", type(y).__name__)
+    if hasattr(y, "__cuda_array_interface__"):
+        from . import _cai
+
+        return _cai.backward(dy, y, scale, out, stream)
+    raise _args.arg_type_error(
+        "y", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(y).__name__)
 
 
 def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward=False):

@@ -78,3 +78,37 @@ def check_out_strides(shape: tuple, strides: tuple, name: str = "out") -> None:
     for n, s in zip(shape, strides):
         if n > 1 and s == 0:
             raise arg_value_error(name, "writable without overlap (no broadcast/expanded dims)", f"strides {tuple(strides)}")
+
+
+def stream_handle(stream) -> int:
+    """The raw handle of a stream given as an int, a CUstream, a torch/CuPy/Numba stream
+    object or anything with ``__cuda_stream__``."""
+    if isinstance(stream, bool) or stream is None:
+        raise arg_type_error("stream", "a CUstream, an int handle or a stream object", repr(stream))
+    if isinstance(stream, int):
+        if stream < 0:
+            raise arg_value_error("stream", "a non-negative stream handle", stream)
+        return stream
+    cs = getattr(stream, "__cuda_stream__", None)
+    if cs is not None:
+        v = cs() if callable(cs) else cs
+        return int(v[1]) if isinstance(v, tuple) else int(v)
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    h = getattr(stream, "handle", None)  # numba.cuda stream: a ctypes c_void_p
+    if h is not None and hasattr(h, "value"):
+        return int(h.value or 0)
+    try:
+        from cuda.bindings import driver
+        from cuda.bindings.utils import get_cuda_native_handle
+
+        if isinstance(stream, driver.CUstream):
+            return int(get_cuda_native_handle(stream))
+    except ImportError:
+        pass
+    raise arg_type_error(
+        "stream", "None, a CUstream, an int handle, a torch/CuPy/Numba stream or an object with __cuda_stream__",
+        type(stream).__name__,
+    )

@@ -6,6 +6,7 @@ Everything here works without a GPU or a driver.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -70,7 +71,8 @@ def nvrtc_version() -> tuple[int, int]:
 
 def nvrtc_version_str() -> str:
     try:
-        return "%d.%d" % nvrtc_version()
+        major, minor = nvrtc_version()
+        return f"{major}.{minor}"
     except Exception as e:  # NVRTC missing: say so rather than fail while reporting
         return f"unavailable ({type(e).__name__})"
 
@@ -174,10 +176,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, path)  # atomic on POSIX and Windows
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

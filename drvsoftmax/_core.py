@@ -234,7 +234,6 @@ class _ThreadArgs(threading.local):
 
 _targs = _ThreadArgs()
 _streams: dict = {}
-_LEGACY_STREAMS = (0, 1, 2)  # NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
 
 def _stream_obj(handle: int):
@@ -248,8 +247,17 @@ def _stream_obj(handle: int):
     return s
 
 
-def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int) -> None:
-    """One cuLaunchKernel of a prepared launch with these pointers on `stream`."""
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_ok: bool | None = None) -> None:
+    """One cuLaunchKernel of a prepared launch with these pointers on `stream`.
+
+    A legacy or per-thread default stream (handles 0, 1, 2) means 'of the current
+    context'; then the launch must happen with the tensor's device's primary context
+    current.  `ctx_ok` is the front door's belief that it is (None: unknown, ask the
+    driver); a launch that finds no context at all is retried with it pushed.
+    """
     a = _targs
     s = a.slots
     s[0] = p0
@@ -262,40 +270,47 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int) -> N
     else:
         a.argv4[3] = prep.params_addr
         argv_addr = a.argv4_addr
-    if stream in _LEGACY_STREAMS:
-        _launch_on_legacy(prep, argv_addr, stream)
-        return
+    drv = _drv or _load_driver()
+    if stream > 2 or ctx_ok:
+        err = drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0)[0]
+        if not err:
+            return
+        if stream > 2 or int(err) != _INVALID_CONTEXT:
+            check((err,), "cuLaunchKernel")
+    _launch_in_context(prep, argv_addr, stream)
+
+
+_drv = None
+
+
+def _load_driver():
+    global _drv
     from cuda.bindings import driver
 
-    err = driver.cuLaunchKernel(
-        prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0
-    )[0]
-    if err:
-        check((err,), "cuLaunchKernel")
+    _drv = driver
+    return driver
 
 
-def _launch_on_legacy(prep: Prepared, argv_addr: int, stream: int) -> None:
-    """A legacy/NULL stream means 'of the current context': make it the right device's."""
-    from cuda.bindings import driver
-
+def _launch_in_context(prep: Prepared, argv_addr: int, stream: int) -> None:
+    """Launch with the prepared kernel's device's primary context current."""
+    drv = _drv or _load_driver()
     ctx = prep.dev.ctx
-    cur = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    cur = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
     pushed = cur != ctx
     if pushed:
-        check(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     try:
         check(
-            driver.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0,
-                                  _stream_obj(stream), argv_addr, 0),
+            drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0),
             "cuLaunchKernel",
         )
     finally:
         if pushed:
-            check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None,
-            causal: bool, scale: float, stream: int) -> None:
+            causal: bool, scale: float, stream: int, ctx_ok: bool | None = None) -> None:
     """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
     aligned = not ((x.ptr | y.ptr) & 15)
     key = (
@@ -308,10 +323,10 @@ def forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | N
     if prep is None:
         check_forward(x, y, mask, klen, causal)
         prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned))
-    launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream)
+    launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
 
 
-def backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, stream: int) -> None:
+def backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, stream: int, ctx_ok: bool | None = None) -> None:
     aligned = not ((dy.ptr | y.ptr | dx.ptr) & 15)
     key = ("bwd", dev.ordinal, y.dtype, y.shape, dy.strides, y.strides, dx.strides, scale, aligned)
     prep = _cache.get(key)
@@ -319,4 +334,4 @@ def backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, stream: in
         if y.dtype not in _plan.X_DTYPES:
             raise arg_type_error("y", "float16, bfloat16 or float32 on the GPU", f"dtype {y.dtype}")
         prep = _remember(key, prepare_backward(dev, dy, y, dx, scale, aligned))
-    launch(prep, dy.ptr, y.ptr, dx.ptr, 0, stream)
+    launch(prep, dy.ptr, y.ptr, dx.ptr, 0, stream, ctx_ok)

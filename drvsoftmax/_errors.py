@@ -58,10 +58,7 @@ def _driver_error_text(code) -> tuple[str, str]:
         if int(err) == 0 and s:
             desc = s.decode() if isinstance(s, bytes) else str(s)
     except Exception:  # the driver itself may be what is missing
-        try:
-            name = code.name
-        except AttributeError:
-            pass
+        name = getattr(code, "name", name)
     return name, desc
 
 

@@ -13,9 +13,6 @@
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -51,32 +48,7 @@ def _operand(t: Tensor) -> _core.Operand:
 
 
 def _stream_handle(stream, dev: int) -> int:
-    if stream is None:
-        return _raw_stream(dev)
-    if isinstance(stream, bool):
-        raise arg_type_error("stream", "None, a CUstream, an int handle or an object with __cuda_stream__", "bool")
-    if isinstance(stream, int):
-        if stream < 0:
-            raise arg_value_error("stream", "a non-negative stream handle", stream)
-        return stream
-    if isinstance(stream, torch.cuda.Stream):
-        return stream.cuda_stream
-    cs = getattr(stream, "__cuda_stream__", None)
-    if cs is not None:
-        v = cs() if callable(cs) else cs
-        return int(v[1]) if isinstance(v, tuple) else int(v)
-    try:
-        from cuda.bindings import driver
-        from cuda.bindings.utils import get_cuda_native_handle
-
-        if isinstance(stream, driver.CUstream):
-            return int(get_cuda_native_handle(stream))
-    except ImportError:
-        pass
-    raise arg_type_error(
-        "stream", "None, a CUstream, an int handle, a torch.cuda.Stream or an object with __cuda_stream__",
-        type(stream).__name__,
-    )
+    return _raw_stream(dev) if stream is None else _args.stream_handle(stream)
 
 
 # ----------------------------------------------------------------------------------
@@ -125,14 +97,42 @@ def _cpu_forward(x, mask, scale, causal, key_lengths, out):
         _to_np(x), None if mask is None else _to_np(mask), scale, causal,
         None if key_lengths is None else _to_np(key_lengths),
     )
-    y = torch.from_numpy(y).to(x.dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    dst = out if out is not None else torch.empty_like(x)  # the same layout as on the GPU
+    return dst.copy_(torch.from_numpy(y))
 
 
-_checked: set = set()  # layouts whose argument checks passed (cleared with the core cache)
+def _meta(t):
+    """Layout of an optional tensor argument, as part of a cache key."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        return (type(t),)  # never cached: the checks reject it
+    return (t.dtype, t.shape, t.stride(), t.get_device())
+
+
+# Prepared launches by everything that decides them except the data pointers.  A key is
+# only stored after the full argument checks passed for it.
+_prepared: dict = {}
+_EMPTY = object()
+
+
+def _remember(key, prep):
+    if len(_prepared) > 4096:
+        _prepared.clear()
+    _prepared[key] = prep
+    return prep
+
+
+def _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned):
+    scale, causal = _check_common(x, mask, scale, causal, key_lengths, out, True)
+    if x.numel() == 0:
+        return _EMPTY
+    y = out if out is not None else torch.empty_like(x)
+    xo, yo = _operand(x), _operand(y)
+    mo = None if mask is None else _operand(mask)
+    ko = None if key_lengths is None else _operand(key_lengths)
+    _core.check_forward(xo, yo, mo, ko, causal)
+    return _core.prepare_forward(_driver.device(dev), xo, yo, mo, ko, causal, scale, aligned)
 
 
 def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
@@ -140,32 +140,36 @@ def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
     if not x.is_cuda:
         scale, causal = _check_common(x, mask, scale, causal, key_lengths, out, False)
         return _cpu_forward(x, mask, scale, causal, key_lengths, out)
-    key = (
-        x.dtype, x.shape, x.stride(), x.get_device(),
-        None if mask is None else (mask.dtype, mask.shape, mask.get_device() if isinstance(mask, Tensor) else -2),
-        None if key_lengths is None else (key_lengths.dtype, key_lengths.shape,
-                                          key_lengths.get_device() if isinstance(key_lengths, Tensor) else -2),
-        None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
-        type(scale), causal.__class__,
-    )
-    if key not in _checked:
-        _check_common(x, mask, scale, causal, key_lengths, out, True)
-        if len(_checked) > 4096:
-            _checked.clear()
-        _checked.add(key)
-    elif not (type(scale) is float and math.isfinite(scale) and abs(scale) <= _args.FLT_MAX):
-        scale = _args.check_scale(scale)
     dev = x.get_device()
-    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
+    xp = x.data_ptr()
+    if out is None:
+        aligned = not (xp & 15)  # fresh allocations are 256-byte aligned
+        okey = None
+    else:
+        aligned = not ((xp | out.data_ptr()) & 15)
+        okey = _meta(out)
+    key = (x.dtype, x.shape, x.stride(), dev, aligned, type(scale), scale, type(causal), causal,
+           _meta(mask), _meta(key_lengths), okey)
+    prep = _prepared.get(key)
+    if prep is None:
+        prep = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned))
+    # empty_like keeps x's layout when x is dense (else contiguous): a function of x's
+    # shape and strides, so the prepared launch (which knows y's strides) stays valid.
+    y = out if out is not None else torch.empty_like(x)
+    if prep is _EMPTY:
         return y
-    _core.forward(
-        _driver.device(dev), _operand(x), _operand(y),
-        None if mask is None else _operand(mask),
-        None if key_lengths is None else _operand(key_lengths),
-        bool(causal), float(scale), _stream_handle(stream, dev),
-    )
+    if stream is None:
+        s = _raw_stream(dev)
+        ctx_ok = s > 2 or _current_device() == dev
+    else:
+        s = _stream_handle(stream, dev)
+        ctx_ok = None
+    _core.launch(prep, xp, y.data_ptr(), 0 if mask is None else mask.data_ptr(),
+                 0 if key_lengths is None else key_lengths.data_ptr(), s, ctx_ok)
     return y
+
+
+_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else (lambda: -1)
 
 
 def _check_backward(dy, y, scale, out):
@@ -193,17 +197,20 @@ def _check_backward(dy, y, scale, out):
 def _backward_impl(dy, y, scale, out, stream):
     scale = _check_backward(dy, y, scale, out)
     if not y.is_cuda:
-        dx = torch.from_numpy(_reference.softmax_backward(_to_np(dy), _to_np(y), scale)).to(y.dtype)
-        if out is not None:
-            out.copy_(dx)
-            return out
-        return dx
+        dx = _reference.softmax_backward(_to_np(dy), _to_np(y), scale)
+        dst = out if out is not None else torch.empty_like(y)
+        return dst.copy_(torch.from_numpy(dx))
     dev = y.get_device()
-    dx = out if out is not None else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    dx = out if out is not None else torch.empty_like(y)
     if y.numel() == 0:
         return dx
-    _core.backward(_driver.device(dev), _operand(dy), _operand(y), _operand(dx), scale,
-                   _stream_handle(stream, dev))
+    if stream is None:
+        s = _raw_stream(dev)
+        ctx_ok = s > 2 or _current_device() == dev
+    else:
+        s = _stream_handle(stream, dev)
+        ctx_ok = None
+    _core.backward(_driver.device(dev), _operand(dy), _operand(y), _operand(dx), scale, s, ctx_ok)
     return dx
 
 
@@ -257,14 +264,14 @@ class _SoftmaxFn(torch.autograd.Function):
 # torch.library ops (torch.compile, torch.export, opcheck).
 
 @torch.library.custom_op("drvsoftmax::scaled_masked_softmax", mutates_args=())
-def _op_forward(x: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
-                key_lengths: Optional[Tensor]) -> Tensor:
+def _op_forward(x: Tensor, mask: Tensor | None, scale: float, causal: bool,
+                key_lengths: Tensor | None) -> Tensor:
     return _forward_impl(x, mask, scale, causal, key_lengths, None, None)
 
 
 @_op_forward.register_fake
 def _op_forward_fake(x, mask, scale, causal, key_lengths):
-    return x.new_empty(x.shape)
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("drvsoftmax::scaled_masked_softmax_backward", mutates_args=())
@@ -274,7 +281,7 @@ def _op_backward(dy: Tensor, y: Tensor, scale: float) -> Tensor:
 
 @_op_backward.register_fake
 def _op_backward_fake(dy, y, scale):
-    return y.new_empty(y.shape)
+    return torch.empty_like(y)
 
 
 def _op_setup(ctx, inputs, output):
@@ -316,13 +323,16 @@ _op_backward.register_autograd(_op_backward_grad, setup_context=_op_backward_set
 # ----------------------------------------------------------------------------------
 # Public functions.
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _traced_path(x) -> bool:
-    return type(x) not in _PLAIN or torch.compiler.is_compiling()
+    return type(x) not in _PLAIN or _is_compiling()
 
 
 def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, out=None, stream=None):
     """See :func:`drvsoftmax.scaled_masked_softmax`."""
-    if _traced_path(x):
+    if type(x) not in _PLAIN or _is_compiling():
         y = torch.ops.drvsoftmax.scaled_masked_softmax(x, mask, float(scale), bool(causal), key_lengths)
         if out is not None:
             out.copy_(y)
@@ -360,7 +370,7 @@ class ScaledMaskedSoftmax(torch.nn.Module):
         self.scale = _args.check_scale(scale)
         self.causal = _args.check_causal(causal)
 
-    def forward(self, scores: Tensor, mask: Optional[Tensor] = None, key_lengths: Optional[Tensor] = None) -> Tensor:
+    def forward(self, scores: Tensor, mask: Tensor | None = None, key_lengths: Tensor | None = None) -> Tensor:
         return scaled_masked_softmax(scores, mask, scale=self.scale, causal=self.causal, key_lengths=key_lengths)
 
     def extra_repr(self) -> str:

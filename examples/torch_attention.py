@@ -28,10 +28,8 @@ class Attention(torch.nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.dh).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-1, -2)                   # [B, H, S, S]
-        if bias is not None:                               # learned additive bias
-            p = self.softmax(scores, bias)
-        else:                                              # bool mask: True = hidden
-            p = self.softmax(scores, padding_mask)
+        # A learned additive bias, or a bool padding mask (True = hidden).
+        p = self.softmax(scores, bias if bias is not None else padding_mask)
         return self.proj((p @ v).transpose(1, 2).reshape(b, s, d))
 
 

@@ -1,0 +1,62 @@
+"""CuPy and Numba arrays through the same front door (``__cuda_array_interface__``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_matches, requires_cuda
+
+import drvsoftmax
+from drvsoftmax import _reference
+
+pytestmark = requires_cuda
+_gen = np.random.default_rng(7)
+
+
+def test_cupy_forward_backward_masks_and_streams():
+    cp = pytest.importorskip("cupy")
+    for dtype, name in ((np.float16, "float16"), (np.float32, "float32")):
+        for sk in (7, 1000, 40000):
+            xh = (_gen.standard_normal((2, 3, 4, sk)) * 3).astype(dtype)
+            mh = _gen.random((2, 1, 4, sk)) < 0.3
+            kl = np.array([sk, sk // 2], dtype=np.int32)
+            x, m, k = cp.asarray(xh), cp.asarray(mh), cp.asarray(kl)
+            out = cp.full(x.shape, cp.nan, dtype=dtype)
+            s = cp.cuda.Stream(non_blocking=True)
+            with s:
+                y = drvsoftmax.scaled_masked_softmax(x, m, scale=0.4, causal=True, key_lengths=k, out=out)
+            s.synchronize()
+            assert y is out and isinstance(y, cp.ndarray)
+            ref = _reference.softmax_forward(xh, mh, 0.4, True, kl)
+            assert_matches(cp.asnumpy(y), ref, name, f"cupy {name} Sk={sk}")
+            y2 = drvsoftmax.scaled_masked_softmax(x[:, :, ::2], scale=0.4)  # strided view, allocated output
+            cp.cuda.get_current_stream().synchronize()
+            assert_matches(cp.asnumpy(y2), _reference.softmax_forward(xh[:, :, ::2], None, 0.4), name, "cupy view")
+            dy = cp.asarray(_gen.standard_normal(x.shape).astype(dtype))
+            dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.4)
+            cp.cuda.get_current_stream().synchronize()
+            rdx = _reference.softmax_backward(cp.asnumpy(dy), cp.asnumpy(y), 0.4)
+            np.testing.assert_allclose(cp.asnumpy(dx).astype(np.float64), rdx, atol=2e-3, rtol=2e-2)
+
+
+def test_numba_device_arrays():
+    cuda = pytest.importorskip("numba.cuda")
+    xh = (_gen.standard_normal((3, 5, 300)) * 2).astype(np.float32)
+    mh = (_gen.random((1, 5, 300)) < 0.2).astype(np.uint8)
+    x, m = cuda.to_device(xh), cuda.to_device(mh)
+    y = drvsoftmax.scaled_masked_softmax(x, m, scale=-0.5)
+    cuda.synchronize()
+    assert type(y).__module__.startswith("numba")
+    assert_matches(y.copy_to_host(), _reference.softmax_forward(xh, mh, -0.5), "float32", "numba")
+
+
+def test_cai_argument_errors():
+    cp = pytest.importorskip("cupy")
+    x = cp.zeros((2, 3), dtype=cp.float64)
+    with pytest.raises(TypeError, match="x must be of dtype float16, bfloat16, float32"):
+        drvsoftmax.scaled_masked_softmax(x)
+    x = cp.zeros((2, 3), dtype=cp.float32)
+    with pytest.raises(ValueError, match=r"mask must be broadcastable to x.shape \(2, 3\)"):
+        drvsoftmax.scaled_masked_softmax(x, cp.zeros((4,), dtype=cp.bool_))
+    with pytest.raises(TypeError, match="key_lengths"):
+        drvsoftmax.scaled_masked_softmax(x, key_lengths=cp.zeros((2,), dtype=cp.float32))
