@@ -18,6 +18,7 @@ Sections, in the order they run (most important first, so that the time budget c
     sweep     row length 32 .. 1,048,576 at a fixed total (2^29 fp16 / 2^28 fp32 elements)
     compiled  torch.compile of the eager functions (fp16 and fp32 baseline shapes, the sweep and
               the host row), a fresh graph per shape and dtype; slow to compile, so it runs last
+              (--no-compile leaves it out; --quick always does)
 
 Every result is appended as it is measured to DIR/<date>-<gpu>-<commit>.csv (long format) and
 summarised in DIR/<same>.md; the last lines printed are a compact table. benchmarks/README.md
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import inspect
 import math
 import os
 import re
@@ -437,25 +439,34 @@ def est_host_s() -> float:
 def time_gpu(fn, argsets) -> tuple[float, int]:
     """(median ms, reps) of fn(argsets[i]) rotating through argsets, each call between CUDA events.
 
+    With several input sets the outputs rotate too (each slot keeps its last output alive, so
+    the allocator hands out a different block), so that L2 serves neither inputs nor outputs.
     Calls shorter than QUEUE_FILL_BELOW_MS are queued behind a GPU sleep, so that the host runs
     ahead and the events time the GPU, not the launch rate (host cost is the host section's).
     """
     n = len(argsets)
+    keep = [None] * n
+
+    def call(i):
+        out = fn(argsets[i % n])
+        if n > 1:
+            keep[i % n] = out
+
     Event = torch.cuda.Event
-    fn(argsets[0])
+    call(0)
     torch.cuda.synchronize()
     e0, e1 = Event(enable_timing=True), Event(enable_timing=True)
     e0.record()
-    for i in range(EST_CALLS):
-        fn(argsets[(i + 1) % n])
+    for i in range(1, 1 + EST_CALLS):
+        call(i)
     e1.record()
     e1.synchronize()
     est = max(e0.elapsed_time(e1) / EST_CALLS, 1e-4)
     warm = int(min(max(WARMUP_MS / est, 1), 50))
     reps = int(min(max(TARGET_MS / est, MIN_REPS), MAX_REPS))
-    off = EST_CALLS + 1
-    for i in range(warm):
-        fn(argsets[(off + i) % n])
+    off = 1 + EST_CALLS
+    for i in range(off, off + warm):
+        call(i)
     off += warm
     starts = [Event(enable_timing=True) for _ in range(reps)]
     ends = [Event(enable_timing=True) for _ in range(reps)]
@@ -463,11 +474,11 @@ def time_gpu(fn, argsets) -> tuple[float, int]:
     if est < QUEUE_FILL_BELOW_MS and sleep is not None:
         sleep(int(min(reps * QUEUE_FILL_MS_PER_REP, QUEUE_FILL_MAX_MS) * SLEEP_CYCLES_PER_MS))
     for i in range(reps):
-        a = argsets[(off + i) % n]
         starts[i].record()
-        fn(a)
+        call(off + i)
         ends[i].record()
     ends[-1].synchronize()
+    keep.clear()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), reps
 
 
@@ -597,6 +608,7 @@ class Run:
         self.copy_gbps_end: float | None = None
         self.section_s: dict = {}
         self.compiles = 0
+        self.compile_s = 0.0
         self.compile_failures = 0
         self.consecutive_errors = 0
         self.checks = 0
@@ -688,6 +700,7 @@ class Run:
                 log(f"(cannot append to {path}: {e})")
                 if path != self.csv_paths[0]:
                     self.csv_paths.remove(path)
+        log(format_row(row))
         if row.compile_failed:
             self.compile_failures += 1
         elif row.error:
@@ -696,7 +709,6 @@ class Run:
                 raise Aborted(f"{self.consecutive_errors} errors in a row; last: {row.notes}")
         else:
             self.consecutive_errors = 0
-        log(format_row(row))
 
     def result(self, case: Case, key: str, ms: float, notes: list) -> Row:
         m = METHODS[key]
@@ -845,6 +857,7 @@ def run_method(run: Run, case: Case, key: str, argsets: list, refs: dict, copies
         torch.cuda.synchronize()
         if m.provider == "compiled":
             run.compiles += 1
+            run.compile_s += time.monotonic() - t
             run.compile_failures = 0
             notes.append(f"compile+first call {time.monotonic() - t:.1f} s")
     except Exception as e:
@@ -856,9 +869,9 @@ def run_method(run: Run, case: Case, key: str, argsets: list, refs: dict, copies
         torch.cuda.empty_cache()
         return
     mismatch = False
-    try:
-        ref_key = REFERENCE.get(m.group)
-        if ref_key is not None and ref_key != key:
+    ref_key = REFERENCE.get(m.group)
+    if ref_key is not None and ref_key != key:
+        try:
             if ref_key not in refs:
                 r = make_caller(ref_key)(argsets[0])
                 refs[ref_key] = check_rows(r).float().clone()
@@ -867,7 +880,11 @@ def run_method(run: Run, case: Case, key: str, argsets: list, refs: dict, copies
             run.checks += 1
             mismatch = not ok
             notes.append(f"check vs eager: max rel diff {rel:.1e}{'' if ok else ' MISMATCH'}")
-        del out
+        except Exception as e:  # the reference may not fit where the method does: time it anyway
+            notes.append(f"no check ({error_text(e)[:120]})")
+            torch.cuda.empty_cache()
+    del out
+    try:
         ms, reps = time_gpu(fn, argsets)
     except Exception as e:
         run.add(Row(case.direction, case.dtype, case.shape, key, m.label, notes=error_text(e), error=True))
@@ -928,7 +945,9 @@ def launcher_only_fn(x, y):
     prep = _core.prepare_forward(_driver.device(x.get_device()), xo, yo, None, None, False, SCALE, True)
     stream = torch.cuda.current_stream().cuda_stream
     launch = _core.launch
-    return lambda: launch(prep, xo.ptr, yo.ptr, 0, 0, stream)
+    # ctx_ok: what the torch front door tells the launcher when the tensor's device is current
+    extra = (True,) if "ctx_ok" in inspect.signature(launch).parameters else ()
+    return lambda: launch(prep, xo.ptr, yo.ptr, 0, 0, stream, *extra)
 
 
 def host_row(run: Run, key: str, label: str, fn, stream=None, note: str = "") -> None:
@@ -989,6 +1008,7 @@ def run_host_compiled(run: Run) -> None:
         cf(x)
         torch.cuda.synchronize()
         run.compiles += 1
+        run.compile_s += time.monotonic() - t
         run.compile_failures = 0
         note = f"; compile+first call {time.monotonic() - t:.1f} s"
     except Exception as e:
@@ -1139,7 +1159,10 @@ def summary_lines(run: Run) -> list[str]:
         f"== checks vs eager: {run.checks} compared, {mism} MISMATCH | errors: {errors} | "
         f"time {run.elapsed():.0f} s of budget {run.budget_s:.0f} s (sections, s: {secs})"
     )
-    out.append(f"== skipped: {skipped}")
+    if run.compiles:
+        out.append(f"== torch.compile: {run.compiles} graphs, {run.compile_s:.0f} s compiling; skipped: {skipped}")
+    else:
+        out.append(f"== skipped: {skipped}")
     if run.stopped:
         out.append(f"== STOPPED EARLY: {run.stopped}")
     if run.csv_paths:
@@ -1158,6 +1181,7 @@ def markdown(run: Run, summary: list[str]) -> str:
         f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, Python {env['python']}, "
         f"commit {env['commit']}{env.get('dirty', '')}, drvsoftmax kernel sources {env.get('src_hash', '?')}."
     )
+    md.append(f"drvsoftmax kernels loaded from: {env.get('kernel_origins', '?')}.")
     md.append("")
     if run.copy_gbps:
         md.append(
@@ -1241,7 +1265,22 @@ def markdown(run: Run, summary: list[str]) -> str:
     return "\n".join(md)
 
 
+def kernel_origins() -> str:
+    """Where drvsoftmax's kernels came from in this run (packaged cubin, PTX, NVRTC), with counts."""
+    try:
+        from drvsoftmax import _driver
+
+        origins = [o for d in _driver._devices.values() for o in d.origins.values()]
+    except Exception:
+        return "?"
+    counts: dict = {}
+    for o in origins:
+        counts[o] = counts.get(o, 0) + 1
+    return "; ".join(f"{o} (x{n})" for o, n in sorted(counts.items())) or "none loaded"
+
+
 def finish(run: Run) -> None:
+    run.env["kernel_origins"] = kernel_origins()
     lines = summary_lines(run)
     for path in run.md_paths:
         try:

@@ -78,6 +78,21 @@ def read_baseline(path: Path) -> dict:
     return out
 
 
+# One colour per kind of provider, the same in this run and in a baseline (dashed there).
+COLOURS = (
+    ("drvsoftmax", "tab:blue"),
+    ("liger", "tab:purple"),
+    ("compile", "tab:orange"),
+    ("torch.softmax", "tab:red"),
+    ("torch bwd", "tab:green"),  # the baseline's name for eager _softmax_backward_data
+    ("eager", "tab:green"),
+)
+
+
+def colour(name: str) -> str:
+    return next((c for key, c in COLOURS if key in name), "tab:gray")
+
+
 def _sk_label(sk: int) -> str:
     return f"{sk >> 20}M" if sk >= 1 << 20 else f"{sk >> 10}K" if sk >= 1 << 10 else str(sk)
 
@@ -114,6 +129,7 @@ def draw(series: dict, copy: float | None, facts: dict, baseline: dict, baseline
                 ax.plot(
                     [p[0] for p in pts],
                     [p[1] for p in pts],
+                    color=colour(name),
                     marker="o",
                     markersize=4 if ours else 3,
                     linewidth=2.4 if ours else 1.3,
@@ -125,9 +141,10 @@ def draw(series: dict, copy: float | None, facts: dict, baseline: dict, baseline
                 ax.plot(
                     [p[0] for p in pts],
                     [p[1] for p in pts],
+                    color=colour(name),
                     linestyle="--",
                     linewidth=1.0,
-                    alpha=0.7,
+                    alpha=0.6,
                     label=f"{name} [{baseline_name}]",
                 )
             if copy:
@@ -145,7 +162,8 @@ def draw(series: dict, copy: float | None, facts: dict, baseline: dict, baseline
                 ax.set_xlabel("row length Sk (fixed total: 2^29 16-bit / 2^28 fp32 elements)")
             if j == 0:
                 ax.set_ylabel("GB/s (minimum bytes)")
-            ax.legend(fontsize=7, loc="lower right")
+            if j == len(dtypes) - 1:  # one legend per direction, outside the last panel
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.suptitle(
         f"softmax over rows of Sk elements: {facts['gpu']}, driver {facts['driver']}, torch {facts['torch']}, "
         f"commit {facts['commit']}, {facts['date']}",
@@ -153,7 +171,7 @@ def draw(series: dict, copy: float | None, facts: dict, baseline: dict, baseline
     )
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
+    fig.savefig(out, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
