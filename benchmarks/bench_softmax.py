@@ -539,8 +539,12 @@ def check_rows(t):
 def compare(out, ref, dtype: str) -> tuple[float, bool]:
     got = check_rows(out).float()
     err = (got - ref).abs().max().item()
-    rel = err / max(ref.abs().max().item(), 1e-30)
-    return rel, rel <= TOL[dtype]  # NaN compares False: a mismatch
+    top = ref.abs().max().item()
+    rel = err / max(top, 1e-30)
+    # fp16 outputs below 2^-14 are subnormal with a spacing of 2^-24: long rows (tiny
+    # probabilities) get that absolute rounding, whoever computes them.
+    floor = 2.0**-24 if dtype in ("float16", "f16") else 0.0
+    return rel, err <= TOL[dtype] * top + floor  # NaN compares False: a mismatch
 
 
 # ----------------------------------------------------------------------------------

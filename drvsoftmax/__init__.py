@@ -129,7 +129,11 @@ def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward
     from . import _core, _plan
 
     shape = tuple(int(n) for n in x_shape)
-    _args.check_x(shape, str(dtype), _args.X_DTYPES_GPU, "on the GPU")
+    dtype = str(dtype).replace("torch.", "")
+    _args.check_x(shape, dtype, _args.X_DTYPES_GPU, "on the GPU")
+    if mask_dtype is not None:
+        mask_dtype = str(mask_dtype).replace("torch.", "")
+        _args.check_mask_dtype(mask_dtype)
     rows = 1
     for n in shape[:-1]:
         rows *= n
@@ -138,7 +142,7 @@ def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward
     vec = _core._vector_ok(itemsize, [_core.Operand(0, dtype, shape, contig)], shape[:-1])
     if backward:
         return _plan.plan_backward(rows, shape[-1], dtype, vec).describe()
-    kind = "none" if mask_dtype is None else _core.MASK_KIND_OF_DTYPE[str(mask_dtype)]
+    kind = "none" if mask_dtype is None else _core.MASK_KIND_OF_DTYPE[mask_dtype]
     return _plan.plan_forward(rows, shape[-1], dtype, kind, vec).describe()
 
 
@@ -147,6 +151,12 @@ def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward
 
 def _np_dtype_name(a) -> str:
     return np.asarray(a).dtype.name
+
+
+def _check_np_out(out: np.ndarray) -> None:
+    if not out.flags.writeable:
+        raise _args.arg_value_error("out", "a writable array", "a read-only array")
+    _args.check_out_strides(out.shape, tuple(s // max(out.itemsize, 1) for s in out.strides))
 
 
 def _numpy_forward(x, mask, scale, causal, key_lengths, out):
@@ -166,6 +176,7 @@ def _numpy_forward(x, mask, scale, causal, key_lengths, out):
         if not isinstance(out, np.ndarray):
             raise _args.arg_type_error("out", "a numpy.ndarray like x (or None)", type(out).__name__)
         _args.check_out(out.shape, out.dtype.name, x.shape, x.dtype.name)
+        _check_np_out(out)
     y = _reference.softmax_forward(x, mask, scale, causal, key_lengths).astype(x.dtype)
     if out is not None:
         out[...] = y
@@ -175,7 +186,7 @@ def _numpy_forward(x, mask, scale, causal, key_lengths, out):
 
 def _numpy_backward(dy, y, scale, out):
     scale = _args.check_scale(scale)
-    _args.check_x(y.shape, y.dtype.name, _args.X_DTYPES_CPU, "on the CPU path")
+    _args.check_x(y.shape, y.dtype.name, _args.X_DTYPES_CPU, "on the CPU path", "y")
     if not isinstance(dy, np.ndarray):
         raise _args.arg_type_error("dy", "a numpy.ndarray like y", type(dy).__name__)
     if dy.shape != y.shape or dy.dtype != y.dtype:
@@ -184,7 +195,8 @@ def _numpy_backward(dy, y, scale, out):
     if out is not None:
         if not isinstance(out, np.ndarray):
             raise _args.arg_type_error("out", "a numpy.ndarray like y (or None)", type(out).__name__)
-        _args.check_out(out.shape, out.dtype.name, y.shape, y.dtype.name)
+        _args.check_out(out.shape, out.dtype.name, y.shape, y.dtype.name, "y")
+        _check_np_out(out)
     dx = _reference.softmax_backward(dy, y, scale).astype(y.dtype)
     if out is not None:
         out[...] = dx

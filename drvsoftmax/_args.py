@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from ._errors import arg_type_error, arg_value_error
 
 FLT_MAX = 3.4028234663852886e38
@@ -27,16 +29,16 @@ def check_scale(scale) -> float:
 
 
 def check_causal(causal) -> bool:
-    if isinstance(causal, bool) or type(causal).__name__ == "bool_":
+    if isinstance(causal, (bool, np.bool_)):
         return bool(causal)
     raise arg_type_error("causal", "a bool", f"{type(causal).__name__} {causal!r}")
 
 
-def check_x(shape: tuple, dtype: str, allowed: tuple, where: str) -> None:
+def check_x(shape: tuple, dtype: str, allowed: tuple, where: str, name: str = "x") -> None:
     if dtype not in allowed:
-        raise arg_type_error("x", f"of dtype {', '.join(allowed)} {where}", f"dtype {dtype}")
+        raise arg_type_error(name, f"of dtype {', '.join(allowed)} {where}", f"dtype {dtype}")
     if len(shape) < 1:
-        raise arg_value_error("x", "at least 1-D (softmax runs over the last axis)", f"shape {tuple(shape)}")
+        raise arg_value_error(name, "at least 1-D (softmax runs over the last axis)", f"shape {tuple(shape)}")
 
 
 def check_mask_dtype(dtype: str) -> None:
@@ -67,11 +69,11 @@ def check_key_lengths(shape: tuple, dtype: str, x_shape: tuple, allowed=INT_DTYP
         raise arg_value_error("key_lengths", f"of shape [B] = ({x_shape[0]},) (B = x.shape[0])", f"shape {tuple(shape)}")
 
 
-def check_out(shape: tuple, dtype: str, x_shape: tuple, x_dtype: str) -> None:
+def check_out(shape: tuple, dtype: str, x_shape: tuple, x_dtype: str, like: str = "x") -> None:
     if dtype != x_dtype:
-        raise arg_type_error("out", f"of x's dtype {x_dtype}", f"dtype {dtype}")
+        raise arg_type_error("out", f"of {like}'s dtype {x_dtype}", f"dtype {dtype}")
     if tuple(shape) != tuple(x_shape):
-        raise arg_value_error("out", f"of x's shape {tuple(x_shape)}", f"shape {tuple(shape)}")
+        raise arg_value_error("out", f"of {like}'s shape {tuple(x_shape)}", f"shape {tuple(shape)}")
 
 
 def check_out_strides(shape: tuple, strides: tuple, name: str = "out") -> None:

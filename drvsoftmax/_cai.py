@@ -142,14 +142,15 @@ def backward(dy, y, scale, out, stream):
     if not is_cai(dy):
         raise arg_type_error("dy", "a CUDA array like y", type(dy).__name__)
     do, _ = _describe(dy, "dy")
-    _args.check_x(yo.shape, yo.dtype, _args.X_DTYPES_GPU, "on the GPU")
+    _args.check_x(yo.shape, yo.dtype, _args.X_DTYPES_GPU, "on the GPU", "y")
     if do.shape != yo.shape or do.dtype != yo.dtype:
         raise arg_value_error("dy", f"of y's shape {yo.shape} and dtype {yo.dtype}", f"shape {do.shape}, dtype {do.dtype}")
     dev = _device_of(yo.ptr, y)
     if out is None:
         out = _empty_like(y, yo)
     xo, _ = _describe(out, "out")
-    _args.check_out(xo.shape, xo.dtype, yo.shape, yo.dtype)
+    _args.check_out(xo.shape, xo.dtype, yo.shape, yo.dtype, "y")
+    _args.check_out_strides(xo.shape, xo.strides)
     if any(n == 0 for n in yo.shape):
         return out
     _core.backward(_driver.device(dev), do, yo, xo, scale, _stream_of(y, yc, stream))

@@ -102,7 +102,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _log2_ceil(n: int) -> int:
-    return max(0, (n - 1).bit_length())
+    return (n - 1).bit_length() if n > 1 else 0
 
 
 def choose_shape(rows: int, sk: int, itemsize: int) -> tuple[str, int, int, int, str]:

@@ -20,22 +20,39 @@ def is_float_dtype(dt: np.dtype) -> bool:
     return dt.kind == "f" or dt.name == "bfloat16"
 
 
+def _fit(a, ndim: int) -> np.ndarray:
+    """Drop leading size-1 dims beyond `ndim` (legal under broadcasting to x's shape)."""
+    a = np.asarray(a)
+    return a.reshape(a.shape[a.ndim - ndim:]) if a.ndim > ndim else a
+
+
 def hidden_positions(shape, mask=None, causal=False, key_lengths=None):
     """Boolean array broadcastable to `shape`: True where a key is hidden by a
     boolean/integer mask, by causality or by key_lengths."""
     sk = shape[-1]
     hidden = np.zeros((1,) * len(shape), dtype=bool)
     if mask is not None and not is_float_dtype(np.asarray(mask).dtype):
-        hidden = hidden | (np.asarray(mask) != 0)
+        hidden = hidden | (_fit(mask, len(shape)) != 0)
     j = np.arange(sk)
     if causal:
         sq = shape[-2]
         i = np.arange(sq)[:, None]
         hidden = hidden | (j[None, :] > i + (sk - sq))
     if key_lengths is not None:
-        kl = np.asarray(key_lengths).astype(np.int64).reshape((shape[0],) + (1,) * (len(shape) - 1))
+        kl = np.clip(np.asarray(key_lengths), 0, sk).astype(np.int64)  # no wrap-around of huge uint64
+        kl = kl.reshape((shape[0],) + (1,) * (len(shape) - 1))
         hidden = hidden | (j >= kl)
     return hidden
+
+
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _fp32_range(v: np.ndarray, fp32: bool) -> np.ndarray:
+    """The kernels scale and add in fp32: beyond its range a score is +-inf there too."""
+    if not fp32:
+        return v
+    return np.where(np.abs(v) > _FLT_MAX * (1 + 2.0**-25), np.copysign(np.inf, v), v)
 
 
 def softmax_forward(x, mask=None, scale=1.0, causal=False, key_lengths=None) -> np.ndarray:
@@ -43,10 +60,14 @@ def softmax_forward(x, mask=None, scale=1.0, causal=False, key_lengths=None) -> 
     hidden keys are exactly 0, a row with no visible key is all 0, a row whose biased
     scores hold NaN or +inf is all NaN."""
     xf = _f64(x)
+    if xf.shape[-1] == 0:
+        return np.zeros(xf.shape)
+    add = _fit(mask, xf.ndim) if mask is not None and is_float_dtype(np.asarray(mask).dtype) else None
+    fp32 = np.asarray(x).dtype != np.float64
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        v = xf * float(scale)
-        if mask is not None and is_float_dtype(np.asarray(mask).dtype):
-            v = v + _f64(mask)
+        v = _fp32_range(xf * float(scale), fp32)
+        if add is not None:
+            v = _fp32_range(v + _f64(add), fp32)
         v = np.where(hidden_positions(xf.shape, mask, causal, key_lengths), -np.inf, v)
         v = np.broadcast_to(v, xf.shape)
         bad = np.any(np.isnan(v) | (v == np.inf), axis=-1, keepdims=True)

@@ -178,7 +178,7 @@ def _check_backward(dy, y, scale, out):
         raise arg_type_error("dy", "a torch.Tensor like y", type(dy).__name__)
     on_gpu = y.is_cuda
     _args.check_x(tuple(y.shape), _dtname(y), _args.X_DTYPES_GPU if on_gpu else _args.X_DTYPES_CPU,
-                  "on the GPU" if on_gpu else "on the CPU path")
+                  "on the GPU" if on_gpu else "on the CPU path", "y")
     if dy.device != y.device:
         raise arg_value_error("dy", f"on y's device {y.device}", f"device {dy.device}")
     if tuple(dy.shape) != tuple(y.shape) or dy.dtype != y.dtype:
@@ -189,7 +189,7 @@ def _check_backward(dy, y, scale, out):
             raise arg_type_error("out", "a torch.Tensor like y (or None)", type(out).__name__)
         if out.device != y.device:
             raise arg_value_error("out", f"on y's device {y.device}", f"device {out.device}")
-        _args.check_out(tuple(out.shape), _dtname(out), tuple(y.shape), _dtname(y))
+        _args.check_out(tuple(out.shape), _dtname(out), tuple(y.shape), _dtname(y), "y")
         _args.check_out_strides(tuple(out.shape), tuple(out.stride()))
     return scale
 

@@ -184,9 +184,6 @@ def test_explain_vector_access_and_errors():
         drvsoftmax.explain((), "float16")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: explain() checks str(dtype) but then indexes _plan.X_DTYPES with the "
-                   "raw dtype (KeyError for np.dtype('float16')), and looks mask_dtype up in MASK_KIND_OF_DTYPE "
-                   "without _args.check_mask_dtype (bare KeyError for 'complex64')")
 @pytest.mark.parametrize("case", ["np_dtype", "bad_mask_dtype"])
 def test_explain_dtype_objects_and_bad_mask_dtype(case):
     if case == "np_dtype":
