@@ -7,8 +7,8 @@
 
 struct BwdParams {
   RowGeom g;               // operands: 0 dy, 1 y, 2 dx
-  smx_i64 sk;
   smx_i64 sdy, sy, sdx;    // element strides along the row
+  int sk;                  // row length (< 2^31, checked on the host)
   float scale;
   int flags;               // SMX_B_VEC
   int tpr_log2;
@@ -18,25 +18,25 @@ struct BwdParams {
 
 template <typename T>
 __device__ __forceinline__ void smx_load_plain(float (&v)[Chunk<T>::N], const T* row, smx_i64 st,
-                                               smx_i64 sk, int flags, smx_i64 c) {
+                                               int sk, int flags, int c) {
   enum { N = Chunk<T>::N };
-  const smx_i64 j0 = c * N;
+  const int j0 = c * N;
   if ((flags & SMX_B_VEC) && j0 + N <= sk) {
     Chunk<T> ch;
-    ch.raw = *(const uint4*)(row + j0);
+    ch.raw = __ldg((const uint4*)(row + j0));
 #pragma unroll
     for (int e = 0; e < N; ++e) v[e] = smx_to_f32(ch.e[e]);
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = (j0 + e < sk) ? smx_to_f32(row[(j0 + e) * st]) : 0.0f;
+    for (int e = 0; e < N; ++e) v[e] = (j0 + e < sk) ? smx_to_f32(row[(smx_i64)(j0 + e) * st]) : 0.0f;
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void smx_bwd_store(T* row, smx_i64 st, smx_i64 sk, int flags,
-                                              smx_i64 c, const float (&o)[Chunk<T>::N]) {
+__device__ __forceinline__ void smx_bwd_store(T* row, smx_i64 st, int sk, int flags,
+                                              int c, const float (&o)[Chunk<T>::N]) {
   enum { N = Chunk<T>::N };
-  const smx_i64 j0 = c * N;
+  const int j0 = c * N;
   if ((flags & SMX_B_VEC) && j0 + N <= sk) {
     Chunk<T> ch;
 #pragma unroll
@@ -45,7 +45,7 @@ __device__ __forceinline__ void smx_bwd_store(T* row, smx_i64 st, smx_i64 sk, in
   } else {
 #pragma unroll
     for (int e = 0; e < N; ++e)
-      if (j0 + e < sk) row[(j0 + e) * st] = smx_from_f32<T>(o[e]);
+      if (j0 + e < sk) row[(smx_i64)(j0 + e) * st] = smx_from_f32<T>(o[e]);
   }
 }
 
@@ -63,7 +63,7 @@ smx_bwd_reg(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ d
   const int rpb = blockDim.x >> tpr_log2;
   const int sub = threadIdx.x >> tpr_log2;
   const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
-  const smx_i64 nch = (p.sk + N - 1) / N;
+  const int nch = (p.sk + N - 1) / N;
   for (smx_i64 base = (smx_i64)blockIdx.x * rpb; base < p.g.rows;
        base += (smx_i64)gridDim.x * rpb) {
     const smx_i64 row = base + sub;
@@ -74,7 +74,7 @@ smx_bwd_reg(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ d
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const smx_i64 c = (smx_i64)k * (1 << tpr_log2) + lane;
+      const int c = (k << tpr_log2) + lane;
       if (active && c < nch) {
         smx_load_plain<T>(vd[k], dy + off[0], p.sdy, p.sk, p.flags, c);
         smx_load_plain<T>(vy[k], y + off[1], p.sy, p.sk, p.flags, c);
@@ -89,7 +89,7 @@ smx_bwd_reg(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ d
     if (active) {
 #pragma unroll
       for (int k = 0; k < NCH; ++k) {
-        const smx_i64 c = (smx_i64)k * (1 << tpr_log2) + lane;
+        const int c = (k << tpr_log2) + lane;
         if (c < nch) {
           float o[N];
 #pragma unroll
@@ -108,12 +108,12 @@ smx_bwd_loop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ 
   enum { N = Chunk<T>::N };
   __shared__ float red[32];
   const int tpr_log2 = 31 - __clz(blockDim.x);
-  const smx_i64 nch = (p.sk + N - 1) / N;
+  const int nch = (p.sk + N - 1) / N;
   for (smx_i64 row = blockIdx.x; row < p.g.rows; row += gridDim.x) {
     smx_i64 off[SMX_NOP];
     smx_row_offsets(p.g, row, off);
     float dot = 0.0f;
-    for (smx_i64 c = threadIdx.x; c < nch; c += blockDim.x) {
+    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
       float a[N], b[N];
       smx_load_plain<T>(a, dy + off[0], p.sdy, p.sk, p.flags, c);
       smx_load_plain<T>(b, y + off[1], p.sy, p.sk, p.flags, c);
@@ -121,7 +121,7 @@ smx_bwd_loop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ 
       for (int e = 0; e < N; ++e) dot += a[e] * b[e];
     }
     dot = smx_row_reduce<OpSum>(dot, tpr_log2, red);
-    for (smx_i64 c = threadIdx.x; c < nch; c += blockDim.x) {
+    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
       float a[N], b[N], o[N];
       smx_load_plain<T>(a, dy + off[0], p.sdy, p.sk, p.flags, c);
       smx_load_plain<T>(b, y + off[1], p.sy, p.sk, p.flags, c);

@@ -61,24 +61,71 @@ template <> __device__ __forceinline__ smx_bf16 smx_from_f32<smx_bf16>(float v) 
   return r;
 }
 
+// 2^x with one MUFU instruction (flushes results below 2^-126 to 0, far below every
+// output format's resolution of a probability).
+__device__ __forceinline__ float smx_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// Load B bytes from a B-aligned address as plain words (B = 4, 8, 16, 32 or 64).
+template <int B> struct Bytes { smx_u32 w[B / 4]; };
+template <int B> __device__ __forceinline__ void smx_load_bytes(Bytes<B>& dst, const void* p) {
+  if (B >= 16) {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i) {
+      uint4 v = ((const uint4*)p)[i];
+      dst.w[4 * i] = v.x; dst.w[4 * i + 1] = v.y; dst.w[4 * i + 2] = v.z; dst.w[4 * i + 3] = v.w;
+    }
+  } else if (B == 8) {
+    uint2 v = *(const uint2*)p;
+    dst.w[0] = v.x; dst.w[1] = v.y;
+  } else {
+    dst.w[0] = *(const smx_u32*)p;
+  }
+}
+
 // ---------------------------------------------------------------------------------
-// Mask sources, as LOAD modifiers: each takes the scaled score of one position and
-// returns the biased score.  A hidden position becomes -inf.
+// Mask sources, as LOAD modifiers.  `apply` takes a scaled score and the mask value of
+// its position and returns the biased score; a hidden position becomes -inf.  `load`
+// reads the mask value at element i of a mask row; `load_vec` reads N consecutive ones
+// from an aligned address in as few accesses as possible.
 struct MaskNone {
-  static __device__ __forceinline__ float apply(float v, const void*, smx_i64) { return v; }
+  typedef smx_u8 S;
+  enum { PRESENT = 0 };
+  static __device__ __forceinline__ float apply(float v, S) { return v; }
 };
 // Boolean / integer masks of any width: nonzero hides.
-template <typename S> struct MaskHide {
-  static __device__ __forceinline__ float apply(float v, const void* m, smx_i64 i) {
-    return ((const S*)m)[i] != 0 ? -SMX_INF : v;
-  }
+template <typename S_> struct MaskHide {
+  typedef S_ S;
+  enum { PRESENT = 1 };
+  static __device__ __forceinline__ float apply(float v, S m) { return m != 0 ? -SMX_INF : v; }
 };
 // Additive floating masks: added after scaling; -inf hides.
-template <typename S> struct MaskAdd {
-  static __device__ __forceinline__ float apply(float v, const void* m, smx_i64 i) {
-    return v + smx_to_f32(((const S*)m)[i]);
-  }
+template <typename S_> struct MaskAdd {
+  typedef S_ S;
+  enum { PRESENT = 1 };
+  static __device__ __forceinline__ float apply(float v, S m) { return v + smx_to_f32(m); }
 };
+
+// Mask values of elements j0 .. j0+N-1 of a mask row.  `vec`: the N values are
+// contiguous and aligned (one access); else element-wise, reading only the first `cnt`.
+template <class M, int N>
+__device__ __forceinline__ void smx_mask_load(typename M::S (&m)[N], const typename M::S* row, int j0,
+                                              smx_i64 sm, bool vec, int cnt) {
+  typedef typename M::S S;
+  if (!M::PRESENT) return;
+  if (vec) {
+    union { Bytes<N * sizeof(S)> b; S e[N]; } u;
+    smx_load_bytes<N * sizeof(S)>(u.b, row + j0);
+#pragma unroll
+    for (int e = 0; e < N; ++e) m[e] = u.e[e];
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) m[e] = e < cnt ? row[(smx_i64)(j0 + e) * sm] : S();
+  }
+}
 
 // ---------------------------------------------------------------------------------
 struct RowGeom {

@@ -20,9 +20,10 @@ MAXD = 6   # SMX_MAXD in cuda_src/softmax_common.cuh
 NOP = 5    # SMX_NOP
 # struct FwdParams / BwdParams of cuda_src, field for field (checked by the GPU tests).
 _GEOM = "q6q30qii"
-FWD_STRUCT = struct.Struct("<" + _GEOM + "5qfii4x")
-BWD_STRUCT = struct.Struct("<" + _GEOM + "4qfii4x")
-F_CAUSAL, F_KLEN, F_KLEN64, F_VEC = 1, 2, 4, 8
+FWD_STRUCT = struct.Struct("<" + _GEOM + "4qifii")
+BWD_STRUCT = struct.Struct("<" + _GEOM + "3qifii")
+F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC = 1, 2, 4, 8, 16
+MAX_SK = 2**31 - 1  # row-internal indices are 32-bit in the kernels
 
 MASK_KIND_OF_DTYPE = {
     "bool": "hide1", "int8": "hide1", "uint8": "hide1",
@@ -31,6 +32,10 @@ MASK_KIND_OF_DTYPE = {
     "int64": "hide8", "uint64": "hide8",
     "float16": "add_float16", "bfloat16": "add_bfloat16",
     "float32": "add_float32", "float64": "add_float64",
+}
+MASK_ITEMSIZE = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
 }
 KLEN_DTYPES = ("int32", "int64")
 
@@ -104,9 +109,11 @@ def _geom_fields(rows: int, sizes: list, strides: list) -> list:
     return fields + [nd, int(small)]
 
 
-def _vector_ok(itemsize: int, ops: list, lead: tuple) -> bool:
-    """16-byte accesses are possible for these (x-like) operands, alignment of pointers aside."""
-    n = 16 // itemsize
+def _vector_ok(itemsize: int, ops: list, lead: tuple, n: int | None = None) -> bool:
+    """Chunk-wide accesses (n elements, 16 bytes of x by default) are possible for these
+    operands, alignment of pointers aside: unit stride along the row, and every row
+    starting a whole number of chunks after the first."""
+    n = n or 16 // itemsize
     for op in ops:
         if len(op.shape) and op.shape[-1] > 1 and op.strides[-1] != 1:
             return False
@@ -114,6 +121,12 @@ def _vector_ok(itemsize: int, ops: list, lead: tuple) -> bool:
             if size != 1 and st % n:
                 return False
     return True
+
+
+def mask_alignment(mask_dtype: str, x_dtype: str) -> int:
+    """Byte alignment a mask row needs for one access per chunk (min(chunk bytes, 16))."""
+    n = 16 // _plan.X_DTYPES[x_dtype][1]
+    return min(16, n * MASK_ITEMSIZE[mask_dtype])
 
 
 # ----------------------------------------------------------------------------------
@@ -155,6 +168,8 @@ def check_forward(x: Operand, y: Operand, mask: Operand | None, klen: Operand | 
         raise arg_type_error("out", f"of x's dtype {x.dtype}", f"dtype {y.dtype}")
     if tuple(y.shape) != tuple(x.shape):
         raise arg_value_error("out", f"of x's shape {tuple(x.shape)}", f"shape {tuple(y.shape)}")
+    if x.shape and x.shape[-1] > MAX_SK:
+        raise arg_value_error("x", f"rows of at most {MAX_SK} elements", f"Sk = {x.shape[-1]}")
     if mask is not None and mask.dtype not in MASK_KIND_OF_DTYPE:
         raise arg_type_error("mask", "bool, an integer or a float dtype", f"dtype {mask.dtype}")
     if klen is not None and klen.dtype not in KLEN_DTYPES:
@@ -162,7 +177,9 @@ def check_forward(x: Operand, y: Operand, mask: Operand | None, klen: Operand | 
 
 
 def prepare_forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None,
-                    causal: bool, scale: float, aligned: bool) -> Prepared:
+                    causal: bool, scale: float, aligned: bool, mask_aligned: bool = False) -> Prepared:
+    """`aligned`: x and y are 16-byte aligned; `mask_aligned`: the mask pointer is
+    aligned to `mask_alignment(...)` bytes."""
     shape = tuple(x.shape)
     lead = shape[:-1]
     sk = shape[-1]
@@ -191,14 +208,19 @@ def prepare_forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Ope
         ops.append((0,) * (nd - 1))
         shift = 0
     rows, sizes, strides = merge_rows(lead, ops)
-    vec = aligned and _vector_ok(_plan.X_DTYPES[x.dtype][1], [x, y], lead)
+    itemsize = _plan.X_DTYPES[x.dtype][1]
+    vec = aligned and _vector_ok(itemsize, [x, y], lead)
     if vec:
         flags |= F_VEC
+    if mask is not None and mask_aligned and sm == 1:
+        mop = Operand(0, mask.dtype, shape, mst)
+        if _vector_ok(itemsize, [mop], lead):
+            flags |= F_MVEC
     plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec)
     packed = FWD_STRUCT.pack(
         *_geom_fields(rows, sizes, strides),
-        sk, x.strides[-1], y.strides[-1], sm, shift,
-        scale, flags, plan.tpr_log2,
+        x.strides[-1], y.strides[-1], sm, shift,
+        sk, scale, flags, plan.tpr_log2,
     )
     return Prepared(dev, plan, packed, 5)
 
@@ -211,8 +233,8 @@ def prepare_backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, al
     plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec)
     packed = BWD_STRUCT.pack(
         *_geom_fields(rows, sizes, strides),
-        shape[-1], dy.strides[-1], y.strides[-1], dx.strides[-1],
-        scale, F_VEC if vec else 0, plan.tpr_log2,
+        dy.strides[-1], y.strides[-1], dx.strides[-1],
+        shape[-1], scale, F_VEC if vec else 0, plan.tpr_log2,
     )
     return Prepared(dev, plan, packed, 4)
 
@@ -313,16 +335,18 @@ def forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | N
             causal: bool, scale: float, stream: int, ctx_ok: bool | None = None) -> None:
     """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
     aligned = not ((x.ptr | y.ptr) & 15)
+    maligned = mask is not None and x.dtype in _plan.X_DTYPES and mask.dtype in MASK_ITEMSIZE and \
+        not mask.ptr % mask_alignment(mask.dtype, x.dtype)
     key = (
         dev.ordinal, x.dtype, x.shape, x.strides, y.strides,
         mask[1:] if mask is not None else None,
         klen[1:] if klen is not None else None,
-        causal, scale, aligned,
+        causal, scale, aligned, maligned,
     )
     prep = _cache.get(key)
     if prep is None:
         check_forward(x, y, mask, klen, causal)
-        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned))
+        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned, maligned))
     launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
 
 
@@ -333,5 +357,7 @@ def backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, stream: in
     if prep is None:
         if y.dtype not in _plan.X_DTYPES:
             raise arg_type_error("y", "float16, bfloat16 or float32 on the GPU", f"dtype {y.dtype}")
+        if y.shape and y.shape[-1] > MAX_SK:
+            raise arg_value_error("y", f"rows of at most {MAX_SK} elements", f"Sk = {y.shape[-1]}")
         prep = _remember(key, prepare_backward(dev, dy, y, dx, scale, aligned))
     launch(prep, dy.ptr, y.ptr, dx.ptr, 0, stream, ctx_ok)

@@ -32,22 +32,33 @@ MASK_KINDS = {
 }
 
 CHUNK_BYTES = 16          # one vector access
-REG_NCH = (1, 4)          # chunks per thread that the register tier is built for
+REG_VALUES = 32           # fp32 values of a row one thread holds in the big register tier
 MAX_TPR = 1024            # threads per row of the register tier (one block)
 LOOP_THREADS = 1024       # block size of the looped tier
 MIN_BLOCK = 128           # register-tier blocks hold at least this many threads
 MAX_GRID = 2**31 - 1
 
+
+
+def reg_nch(itemsize: int, values: int = REG_VALUES) -> int:
+    """Chunks per thread of the big register tier: `values` fp32 values (forward: 32, that
+    is 4 chunks of 16-bit or 8 of fp32; backward, which holds y and dy: 16 of each)."""
+    return values // (CHUNK_BYTES // itemsize)
+
+
+BWD_VALUES = REG_VALUES // 2
+
+
 # Register tier, by the number of 16-byte chunks in a row.  Rows are spread over a
-# power-of-two number of threads (TPR); each holds NCH chunks in registers.
-#   (max chunks, NCH, comment)
+# power-of-two number of threads per row (TPR); each thread holds NCH chunks in registers.
+#   (max chunks as a function of NCH_big, NCH, comment)
 REG_TABLE = (
-    (32, 1, "short rows: one chunk per thread, 1..32 threads (a warp at most) per row"),
-    (128, 4, "four chunks per thread, half a warp or a warp per row"),
-    (4096, 4, "four chunks per thread, 64..1024 threads per row, block reduction"),
+    (lambda big: 32, lambda big: 1, "short rows: one chunk per thread, 1..32 threads (a warp at most) per row"),
+    (lambda big: MAX_TPR * big, lambda big: big,
+     "32 values per thread (fewer threads, fewer per-thread overheads), 1..1024 threads per row"),
 )
-# Beyond the table (more than 4096 chunks: Sk > 32768 in 16-bit, > 16384 in fp32) the
-# looped tier takes a block per row and reads the row twice.
+# Beyond the table (rows longer than 32768 elements forward, 16384 backward) the looped
+# tier takes a block per row and reads the row twice.
 
 
 def kernel_fwd_reg(dtype: str, mask_kind: str, nch: int) -> str:
@@ -70,10 +81,11 @@ def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
     for dt in X_DTYPES:
+        nchs = (1, reg_nch(X_DTYPES[dt][1]))
         for mk in MASK_KINDS:
-            names += [kernel_fwd_reg(dt, mk, n) for n in REG_NCH]
+            names += [kernel_fwd_reg(dt, mk, n) for n in nchs]
             names.append(kernel_fwd_loop(dt, mk))
-        names += [kernel_bwd_reg(dt, n) for n in REG_NCH]
+        names += [kernel_bwd_reg(dt, n) for n in (1, reg_nch(X_DTYPES[dt][1], BWD_VALUES))]
         names.append(kernel_bwd_loop(dt))
     return names
 
@@ -105,21 +117,23 @@ def _log2_ceil(n: int) -> int:
     return (n - 1).bit_length() if n > 1 else 0
 
 
-def choose_shape(rows: int, sk: int, itemsize: int) -> tuple[str, int, int, int, str]:
+def choose_shape(rows: int, sk: int, itemsize: int, values: int = REG_VALUES) -> tuple[str, int, int, int, str]:
     """(tier, nch, tpr_log2, block, reason) for `rows` rows of `sk` elements."""
     per_chunk = CHUNK_BYTES // itemsize
     chunks = _ceil_div(sk, per_chunk)
+    big = reg_nch(itemsize, values)
     for max_chunks, nch, comment in REG_TABLE:
-        if chunks <= max_chunks:
-            tpr_log2 = _log2_ceil(_ceil_div(chunks, nch))
+        if chunks <= max_chunks(big):
+            n = nch(big)
+            tpr_log2 = _log2_ceil(_ceil_div(chunks, n))
             block = max(1 << tpr_log2, MIN_BLOCK)
-            return "register", nch, tpr_log2, block, f"{chunks} chunks <= {max_chunks}: {comment}"
+            return "register", n, tpr_log2, block, f"{chunks} chunks <= {max_chunks(big)}: {comment}"
     return (
         "loop",
         0,
         _log2_ceil(LOOP_THREADS),
         LOOP_THREADS,
-        f"{chunks} chunks > {REG_TABLE[-1][0]}: a block of {LOOP_THREADS} per row, two passes",
+        f"{chunks} chunks > {REG_TABLE[-1][0](big)}: a block of {LOOP_THREADS} per row, two passes",
     )
 
 
@@ -135,7 +149,7 @@ def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool) -
 
 
 def plan_backward(rows: int, sk: int, dtype: str, vector: bool) -> LaunchPlan:
-    tier, nch, tpr_log2, block, reason = choose_shape(rows, sk, X_DTYPES[dtype][1])
+    tier, nch, tpr_log2, block, reason = choose_shape(rows, sk, X_DTYPES[dtype][1], BWD_VALUES)
     if tier == "register":
         name = kernel_bwd_reg(dtype, nch)
         grid = _ceil_div(rows, block >> tpr_log2)

@@ -123,7 +123,7 @@ def _remember(key, prep):
     return prep
 
 
-def _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned):
+def _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned, maligned):
     scale, causal = _check_common(x, mask, scale, causal, key_lengths, out, True)
     if x.numel() == 0:
         return _EMPTY
@@ -132,7 +132,7 @@ def _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned):
     mo = None if mask is None else _operand(mask)
     ko = None if key_lengths is None else _operand(key_lengths)
     _core.check_forward(xo, yo, mo, ko, causal)
-    return _core.prepare_forward(_driver.device(dev), xo, yo, mo, ko, causal, scale, aligned)
+    return _core.prepare_forward(_driver.device(dev), xo, yo, mo, ko, causal, scale, aligned, maligned)
 
 
 def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
@@ -148,11 +148,15 @@ def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
     else:
         aligned = not ((xp | out.data_ptr()) & 15)
         okey = _meta(out)
+    # The mask's pointer modulo 16 decides whether its rows can be read a chunk at a time.
+    mp = 0 if mask is None else mask.data_ptr()
     key = (x.dtype, x.shape, x.stride(), dev, aligned, type(scale), scale, type(causal), causal,
-           _meta(mask), _meta(key_lengths), okey)
+           _meta(mask), _meta(key_lengths), okey, mp & 15)
     prep = _prepared.get(key)
     if prep is None:
-        prep = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned))
+        maligned = mask is not None and isinstance(mask, Tensor) and _dtname(mask) in _core.MASK_ITEMSIZE and \
+            _dtname(x) in _args.X_DTYPES_GPU and not mp % _core.mask_alignment(_dtname(mask), _dtname(x))
+        prep = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned, maligned))
     # empty_like keeps x's layout when x is dense (else contiguous): a function of x's
     # shape and strides, so the prepared launch (which knows y's strides) stays valid.
     y = out if out is not None else torch.empty_like(x)
@@ -164,7 +168,7 @@ def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
     else:
         s = _stream_handle(stream, dev)
         ctx_ok = None
-    _core.launch(prep, xp, y.data_ptr(), 0 if mask is None else mask.data_ptr(),
+    _core.launch(prep, xp, y.data_ptr(), mp,
                  0 if key_lengths is None else key_lengths.data_ptr(), s, ctx_ok)
     return y
 

@@ -17,9 +17,11 @@ torch = pytest.importorskip("torch")
 pytestmark = requires_cuda
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# Row lengths at the tier boundaries: 1 element, odd sizes, a warp's worth of chunks +-1,
-# the register tier's capacity (32768 16-bit / 16384 fp32 elements) and the looped tier.
-SKS = [1, 2, 3, 31, 32, 33, 127, 128, 1000, 1023, 1024, 1025, 2048, 4097, 16384, 65536]
+# Row lengths at the tier boundaries: 1 element, odd sizes, 32 chunks (the one-chunk
+# tier's end: 256 16-bit / 128 fp32 elements) +-1, the backward register tier's capacity
+# (16384) +1, the forward's (32768) +1, and the looped tier beyond.
+SKS = [1, 2, 3, 31, 32, 33, 127, 128, 256, 257, 1000, 1023, 1024, 1025, 2048, 4097, 16384, 16385,
+       32768, 32769, 65536]
 MASKS = ["none", "bool_b1qk", "uint8_11qk", "int8_qk", "bool_b11k", "int64_bhqk",
          "add_own_b1qk", "add_f32_qk", "add_f16_b11k", "add_bf16_11qk", "add_f64_bhqk"]
 
@@ -154,6 +156,19 @@ def test_strided_inputs_are_not_copied(sk):
     }
     for name, v in views.items():
         _check_forward(v, _make_mask("bool_b11k", tuple(v.shape), v.dtype), scale=0.3, what=name)
+
+
+@pytest.mark.parametrize("mdtype", [torch.bool, torch.float16, torch.float32, torch.int64])
+@pytest.mark.parametrize("sk", [64, 1000, 40000])
+def test_mask_rows_read_whole_or_element_wise(mdtype, sk):
+    # Aligned contiguous masks are read a chunk at a time; a mask view starting one element
+    # in, or with a stride along the row, is read element by element.  Same answers.
+    x = _rand((2, 3, 4, sk), torch.float16)
+    big = _make_mask("add_own_b1qk" if mdtype.is_floating_point else "bool_b1qk", (2, 3, 4, 2 * sk + 8), torch.float16)
+    big = big.to(mdtype)
+    for name, m in {"aligned": big[..., :sk].contiguous(), "offset": big[..., 1:1 + sk],
+                    "strided": big[..., : 2 * sk : 2]}.items():
+        _check_forward(x, m, scale=0.5, what=f"mask {name} {mdtype} Sk={sk}")
 
 
 def test_in_place_out_equals_x():

@@ -33,33 +33,46 @@ def _tpr(plan) -> int:
 # ----------------------------------------------------------------------------------
 # Tier selection at the boundaries.
 
-# (Sk, tier, chunks per thread, threads per row) for 16-bit dtypes: 8 elements per 16-byte chunk.
-#   1, 2, 8   one chunk: one thread per row
-#   9         two chunks: 2 threads
-#   31,32,33  4 chunks (4 threads) / 5 chunks (8 threads)
-#   256/257   32 chunks = a warp of 1-chunk threads / 33 chunks -> 4 chunks per thread, 16 threads
-#   1024/1025 128 chunks = a warp of 4-chunk threads / 129 chunks -> 64 threads (block reduction)
-#   32768/9   4096 chunks = 1024 threads x 4 chunks, the register tier's capacity / the looped tier
-BOUNDARIES_16 = [
+# (Sk, tier, chunks per thread, threads per row).  16-bit dtypes: 8 elements per 16-byte
+# chunk; the big register tier holds 32 values per thread forward (4 chunks) and 16 of y
+# and of dy backward (2 chunks).
+#   1, 2, 8     one chunk: one thread per row
+#   9           two chunks: 2 threads
+#   31,32,33    4 chunks (4 threads) / 5 chunks (8 threads)
+#   256/257     32 chunks = a warp of 1-chunk threads / 33 chunks -> the big tier
+#   32768/9     forward capacity: 1024 threads x 4 chunks / the looped tier
+#   16384/5     backward capacity: 1024 threads x 2 chunks / the looped tier
+FWD_16 = [
     (1, "register", 1, 1), (2, "register", 1, 1), (8, "register", 1, 1), (9, "register", 1, 2),
     (31, "register", 1, 4), (32, "register", 1, 4), (33, "register", 1, 8),
     (256, "register", 1, 32), (257, "register", 4, 16),
     (1024, "register", 4, 32), (1025, "register", 4, 64),
     (32768, "register", 4, 1024), (32769, "loop", 0, 1024),
 ]
-# fp32: 4 elements per chunk, so every boundary is at half the length.
-BOUNDARIES_32 = [
+BWD_16 = FWD_16[:7] + [
+    (256, "register", 1, 32), (257, "register", 2, 32), (512, "register", 2, 32), (513, "register", 2, 64),
+    (16384, "register", 2, 1024), (16385, "loop", 0, 1024), (32768, "loop", 0, 1024),
+]
+# fp32: 4 elements per chunk; 8 chunks per thread forward, 4 backward.
+FWD_32 = [
     (1, "register", 1, 1), (4, "register", 1, 1), (5, "register", 1, 2), (128, "register", 1, 32),
+    (129, "register", 8, 8), (1024, "register", 8, 32), (1025, "register", 8, 64),
+    (32768, "register", 8, 1024), (32769, "loop", 0, 1024),
+]
+BWD_32 = FWD_32[:4] + [
     (129, "register", 4, 16), (512, "register", 4, 32), (513, "register", 4, 64),
     (16384, "register", 4, 1024), (16385, "loop", 0, 1024),
 ]
-BOUNDARY_CASES = [(dt, *b) for dt in ("float16", "bfloat16") for b in BOUNDARIES_16] + [
-    ("float32", *b) for b in BOUNDARIES_32]
+BOUNDARY_CASES = (
+    [(dt, False, *b) for dt in ("float16", "bfloat16") for b in FWD_16]
+    + [(dt, True, *b) for dt in ("float16", "bfloat16") for b in BWD_16]
+    + [("float32", False, *b) for b in FWD_32]
+    + [("float32", True, *b) for b in BWD_32]
+)
 
 
-@pytest.mark.parametrize("dtype,sk,tier,nch,tpr", BOUNDARY_CASES)
-@pytest.mark.parametrize("backward", [False, True])
-def test_boundary_tiers(dtype, sk, tier, nch, tpr, backward):
+@pytest.mark.parametrize("dtype,backward,sk,tier,nch,tpr", BOUNDARY_CASES)
+def test_boundary_tiers(dtype, backward, sk, tier, nch, tpr):
     rows = 1000
     plan = (_plan.plan_backward(rows, sk, dtype, True) if backward
             else _plan.plan_forward(rows, sk, dtype, "hide1", True))
@@ -99,16 +112,19 @@ def test_sweep_plans_are_consistent_and_named_kernels_exist(dtype):
                 assert 1 <= p.grid <= _plan.MAX_GRID
                 if p.tier == "register":
                     tpr = _tpr(p)
-                    assert p.nch in _plan.REG_NCH and tpr <= p.block and p.block % tpr == 0, p
+                    big = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES if "bwd" in p.kernel else _plan.REG_VALUES)
+                    assert p.nch in (1, big) and tpr <= p.block and p.block % tpr == 0, p
                     # The row fits in tpr x nch chunks, and would not fit in half the threads.
                     assert tpr * p.nch * per_chunk >= sk, (sk, p)
                     assert tpr == 1 or (tpr // 2) * p.nch * per_chunk < sk, (sk, p)
                     assert p.grid * (p.block // tpr) >= rows
                 else:
                     assert p.tier == "loop" and p.nch == 0 and p.grid == rows
-                    assert sk > 4096 * per_chunk
-            # One tier per (Sk, dtype): the mask kind and direction never change the shape.
-            assert len({(p.tier, p.nch, p.tpr_log2, p.block, p.grid) for p in plans}) == 1, sk
+                    assert sk > (32768 if "fwd" in p.kernel else 16384)
+            # One tier per (Sk, dtype, direction): the mask kind never changes the shape.
+            fwd = {(p.tier, p.nch, p.tpr_log2, p.block, p.grid) for p in plans if "fwd" in p.kernel}
+            assert len(fwd) == 1, sk
+            assert len({(p.tier, p.nch, p.tpr_log2, p.block, p.grid) for p in plans if "bwd" in p.kernel}) == 1, sk
 
 
 def test_every_kernel_name_is_reachable():
@@ -145,11 +161,11 @@ def test_grid_is_capped_for_huge_row_counts():
 
 
 def test_kernel_name_templates_are_instantiable_names():
-    pat = re.compile(r"^smx_(fwd_reg<\w+, \w+(<\w+>)?, [14]>|fwd_loop<\w+, \w+(<\w+>)?>|bwd_reg<\w+, [14]>|bwd_loop<\w+>)$")
+    pat = re.compile(r"^smx_(fwd_reg<\w+, \w+(<\w+>)?, [148]>|fwd_loop<\w+, \w+(<\w+>)?>|bwd_reg<\w+, [124]>|bwd_loop<\w+>)$")
     for n in _plan.all_kernel_names():
         assert pat.match(n), n
-    n_fwd = len(DTYPES) * len(MASK_KINDS) * (len(_plan.REG_NCH) + 1)
-    n_bwd = len(DTYPES) * (len(_plan.REG_NCH) + 1)
+    n_fwd = len(DTYPES) * len(MASK_KINDS) * 3   # one-chunk and big register tiers, loop tier
+    n_bwd = len(DTYPES) * 3
     assert len(_plan.all_kernel_names()) == n_fwd + n_bwd
 
 
@@ -161,7 +177,7 @@ def test_kernel_name_templates_are_instantiable_names():
     [
         ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd_reg<smx_f16, MaskNone, 1>"),
         ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
-        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 4>"),
+        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8>"),
         ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>>"),
         ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float>"),
         ((7, 9), "float16", {"backward": True}, "register", "smx_bwd_reg<smx_f16, 1>"),
@@ -379,8 +395,8 @@ def _parsed_structs():
 
 
 def test_struct_sizes():
-    assert _core.FWD_STRUCT.size == 360
-    assert _core.BWD_STRUCT.size == 352
+    assert _core.FWD_STRUCT.size == 352
+    assert _core.BWD_STRUCT.size == 344
 
 
 @pytest.mark.parametrize("cname,pystruct", [("FwdParams", _core.FWD_STRUCT), ("BwdParams", _core.BWD_STRUCT)])
