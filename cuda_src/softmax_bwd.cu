@@ -39,8 +39,7 @@ __device__ __forceinline__ void smx_bwd_store(T* row, smx_i64 st, int sk, int fl
   const int j0 = c * N;
   if ((flags & SMX_B_VEC) && j0 + N <= sk) {
     Chunk<T> ch;
-#pragma unroll
-    for (int e = 0; e < N; ++e) ch.e[e] = smx_from_f32<T>(o[e]);
+    smx_pack_chunk<T>(ch, o);
     *(uint4*)(row + j0) = ch.raw;
   } else {
 #pragma unroll
@@ -51,6 +50,53 @@ __device__ __forceinline__ void smx_bwd_store(T* row, smx_i64 st, int sk, int fl
 
 __device__ __forceinline__ float smx_bwd_out(float yv, float dyv, float dot, float scale) {
   return yv == 0.0f ? 0.0f : scale * yv * (dyv - dot);
+}
+
+// Short rows (at most 32 chunks): one chunk per thread, R rows per thread at once.
+template <typename T, int R>
+__global__ void __launch_bounds__(128)
+smx_bwd_short(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+              const BwdParams p) {
+  enum { N = Chunk<T>::N };
+  const int tpr_log2 = p.tpr_log2;  // <= 5
+  const int rpb = blockDim.x >> tpr_log2;
+  const int sub = threadIdx.x >> tpr_log2;
+  const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
+  const bool has = lane * N < p.sk;
+  const smx_i64 step = (smx_i64)rpb * R;
+  for (smx_i64 base = (smx_i64)blockIdx.x * step; base < p.g.rows; base += (smx_i64)gridDim.x * step) {
+    float vy[R][N], vd[R][N];
+    smx_i64 xoff[R];
+    bool act[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const smx_i64 row = base + (smx_i64)r * rpb + sub;
+      act[r] = has && row < p.g.rows;
+      xoff[r] = 0;
+      if (act[r]) {
+        smx_i64 off[SMX_NOP];
+        smx_row_offsets(p.g, row, off);
+        xoff[r] = off[2];
+        smx_load_plain<T>(vd[r], dy + off[0], p.sdy, p.sk, p.flags, lane);
+        smx_load_plain<T>(vy[r], y + off[1], p.sy, p.sk, p.flags, lane);
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) vd[r][e] = vy[r][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < N; ++e) dot += vd[r][e] * vy[r][e];
+      dot = smx_warp_reduce<OpSum>(dot, tpr_log2);
+#pragma unroll
+      for (int e = 0; e < N; ++e) vd[r][e] = smx_bwd_out(vy[r][e], vd[r][e], dot, p.scale);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (act[r]) smx_bwd_store<T>(dx + xoff[r], p.sdx, p.sk, p.flags, lane, vd[r]);
+  }
 }
 
 template <typename T, int NCH>

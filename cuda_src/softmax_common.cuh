@@ -132,34 +132,44 @@ struct RowGeom {
   smx_i64 rows;                       // number of rows
   smx_i64 size[SMX_MAXD];             // leading dims, innermost last
   smx_i64 stride[SMX_NOP][SMX_MAXD];  // per operand, in elements
+  smx_u32 mul[SMX_MAXD];              // q = umulhi(r, mul) >> shr  ==  r / size (r < 2^31)
+  smx_u32 shr[SMX_MAXD];
   int ndim;                           // used entries of size/stride
-  int small;                          // every size and the row count fit in 32 bits
+  int small;                          // the row count and every size are below 2^31
 };
 
-// Element offsets of one row for every operand.
+// Element offsets of one row for every operand.  The outermost dim needs no division:
+// what is left of the row number is its index.
 __device__ __forceinline__ void smx_row_offsets(const RowGeom& g, smx_i64 row,
                                                 smx_i64 (&off)[SMX_NOP]) {
 #pragma unroll
   for (int k = 0; k < SMX_NOP; ++k) off[k] = 0;
   if (g.small) {
     smx_u32 r = (smx_u32)row;
-    for (int d = g.ndim - 1; d >= 0; --d) {
-      smx_u32 n = (smx_u32)g.size[d];
-      smx_u32 q = r / n;
-      smx_u32 i = r - q * n;
+    for (int d = g.ndim - 1; d > 0; --d) {
+      const smx_u32 q = __umulhi(r, g.mul[d]) >> g.shr[d];
+      const smx_u32 i = r - q * (smx_u32)g.size[d];
       r = q;
 #pragma unroll
       for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)i * g.stride[k][d];
     }
+    if (g.ndim > 0) {
+#pragma unroll
+      for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)r * g.stride[k][0];
+    }
   } else {
     smx_u64 r = (smx_u64)row;
-    for (int d = g.ndim - 1; d >= 0; --d) {
-      smx_u64 n = (smx_u64)g.size[d];
-      smx_u64 q = r / n;
-      smx_u64 i = r - q * n;
+    for (int d = g.ndim - 1; d > 0; --d) {
+      const smx_u64 n = (smx_u64)g.size[d];
+      const smx_u64 q = r / n;
+      const smx_u64 i = r - q * n;
       r = q;
 #pragma unroll
       for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)i * g.stride[k][d];
+    }
+    if (g.ndim > 0) {
+#pragma unroll
+      for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)r * g.stride[k][0];
     }
   }
 }
@@ -175,10 +185,16 @@ struct OpSum {
   static __device__ __forceinline__ float f(float a, float b) { return a + b; }
 };
 
+// Reduction over 1 << w consecutive lanes of a warp (w <= 5).
+template <class Op>
+__device__ __forceinline__ float smx_warp_reduce(float v, int w) {
+  for (int o = (1 << w) >> 1; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 template <class Op>
 __device__ __forceinline__ float smx_row_reduce(float v, int tpr_log2, float* red) {
-  const int width = tpr_log2 < 5 ? (1 << tpr_log2) : 32;
-  for (int o = width >> 1; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  v = smx_warp_reduce<Op>(v, tpr_log2 < 5 ? tpr_log2 : 5);
   if (tpr_log2 > 5) {
     const int warp = threadIdx.x >> 5;
     const int wpr = 1 << (tpr_log2 - 5);
@@ -192,12 +208,45 @@ __device__ __forceinline__ float smx_row_reduce(float v, int tpr_log2, float* re
   return v;
 }
 
-// A chunk is 16 bytes of a row: CH elements, loaded with one vector access when the
+// A chunk is 16 bytes of a row: N elements, loaded with one vector access when the
 // row allows it (unit stride, 16-byte aligned), element by element otherwise.
 template <typename T> struct Chunk {
   enum { N = 16 / (int)sizeof(T) };
   union {
     uint4 raw;
     T e[N];
+    smx_u32 w[4];
   };
 };
+
+// Two floats to two 16-bit values in one instruction where the chip has it (sm_80+).
+template <typename T> __device__ __forceinline__ smx_u32 smx_pack2(float lo, float hi);
+template <> __device__ __forceinline__ smx_u32 smx_pack2<smx_f16>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  smx_u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (smx_u32)smx_from_f32<smx_f16>(lo).bits | ((smx_u32)smx_from_f32<smx_f16>(hi).bits << 16);
+#endif
+}
+template <> __device__ __forceinline__ smx_u32 smx_pack2<smx_bf16>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  smx_u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (smx_u32)smx_from_f32<smx_bf16>(lo).bits | ((smx_u32)smx_from_f32<smx_bf16>(hi).bits << 16);
+#endif
+}
+
+// A chunk of outputs, converted to T.
+template <typename T>
+__device__ __forceinline__ void smx_pack_chunk(Chunk<T>& ch, const float (&o)[Chunk<T>::N]) {
+#pragma unroll
+  for (int i = 0; i < Chunk<T>::N / 2; ++i) ch.w[i] = smx_pack2<T>(o[2 * i], o[2 * i + 1]);
+}
+template <> __device__ __forceinline__ void smx_pack_chunk<float>(Chunk<float>& ch, const float (&o)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ch.e[i] = o[i];
+}

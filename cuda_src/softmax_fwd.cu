@@ -86,8 +86,7 @@ __device__ __forceinline__ void smx_store_chunk(T* yrow, smx_i64 sy, int sk, boo
   const int j0 = c * N;
   if (vec && j0 + N <= sk) {
     Chunk<T> ch;
-#pragma unroll
-    for (int e = 0; e < N; ++e) ch.e[e] = smx_from_f32<T>(o[e]);
+    smx_pack_chunk<T>(ch, o);
     *(uint4*)(yrow + j0) = ch.raw;
   } else {
 #pragma unroll
@@ -103,6 +102,62 @@ __device__ __forceinline__ void smx_store_chunk(T* yrow, smx_i64 sy, int sk, boo
 __device__ __forceinline__ float smx_max_l2(float mx) { return mx == -SMX_INF ? 0.0f : mx * SMX_LOG2E; }
 // 1/sum, or 0 for a row with no visible key (every numerator is 0 then).
 __device__ __forceinline__ float smx_inv_sum(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
+
+// Short rows (at most 32 chunks): 1..32 threads per row, one chunk each, and every
+// thread takes R rows at once (R chunks of loads in flight before the first reduction).
+template <typename T, class M, int R>
+__global__ void __launch_bounds__(128)
+smx_fwd_short(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+              const void* __restrict__ klen, const FwdParams p) {
+  enum { N = Chunk<T>::N };
+  typedef typename M::S S;
+  const int tpr_log2 = p.tpr_log2;  // <= 5
+  const int rpb = blockDim.x >> tpr_log2;
+  const int sub = threadIdx.x >> tpr_log2;
+  const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
+  const bool has = lane * N < p.sk;
+  const bool vec = (p.flags & SMX_F_VEC) != 0;
+  const smx_i64 step = (smx_i64)rpb * R;
+  for (smx_i64 base = (smx_i64)blockIdx.x * step; base < p.g.rows; base += (smx_i64)gridDim.x * step) {
+    float v[R][N];
+    smx_i64 yoff[R];
+    bool act[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const smx_i64 row = base + (smx_i64)r * rpb + sub;
+      act[r] = has && row < p.g.rows;
+      yoff[r] = 0;
+      if (act[r]) {
+        smx_i64 off[SMX_NOP];
+        smx_row_offsets(p.g, row, off);
+        yoff[r] = off[1];
+        smx_fwd_load_chunk<T, M>(v[r], x + off[0], (const S*)mask + off[2], p, lane, smx_fwd_limit(p, klen, off));
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) v[r][e] = -SMX_INF;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float mx = v[r][0];
+#pragma unroll
+      for (int e = 1; e < N; ++e) mx = fmaxf(mx, v[r][e]);
+      const float mxl = smx_max_l2(smx_warp_reduce<OpMax>(mx, tpr_log2));
+      float s = 0.0f;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        v[r][e] = smx_exp2(fmaf(v[r][e], SMX_LOG2E, -mxl));
+        s += v[r][e];
+      }
+      const float inv = smx_inv_sum(smx_warp_reduce<OpSum>(s, tpr_log2));
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[r][e] *= inv;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (act[r]) smx_store_chunk<T>(y + yoff[r], p.sy, p.sk, vec, lane, v[r]);
+  }
+}
 
 template <typename T, class M, int NCH>
 __global__ void __launch_bounds__(1024)

@@ -19,7 +19,7 @@ from ._errors import arg_type_error, arg_value_error, check
 MAXD = 6   # SMX_MAXD in cuda_src/softmax_common.cuh
 NOP = 5    # SMX_NOP
 # struct FwdParams / BwdParams of cuda_src, field for field (checked by the GPU tests).
-_GEOM = "q6q30qii"
+_GEOM = "q6q30q6I6Iii"
 FWD_STRUCT = struct.Struct("<" + _GEOM + "4qifii")
 BWD_STRUCT = struct.Struct("<" + _GEOM + "3qifii")
 F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC = 1, 2, 4, 8, 16
@@ -94,6 +94,15 @@ def merge_rows(lead: tuple, op_strides: list) -> tuple[int, list, list]:
     return rows, sizes, strides
 
 
+def magic_divisor(d: int) -> tuple[int, int]:
+    """(mul, shr) with n // d == (n * mul >> 32) >> shr for every 0 <= n < 2**31 and d >= 2
+    (merged dims of size 1 are dropped, so the kernels never divide by 1)."""
+    if d < 2:
+        raise ValueError(f"magic_divisor needs d >= 2, got {d}")
+    p = 31 + (d - 1).bit_length()
+    return -(-(1 << p) // d), p - 32
+
+
 def _geom_fields(rows: int, sizes: list, strides: list) -> list:
     if len(sizes) > MAXD:
         raise arg_value_error(
@@ -105,8 +114,9 @@ def _geom_fields(rows: int, sizes: list, strides: list) -> list:
     for k in range(NOP):
         st = strides[k] if k < len(strides) else [0] * nd
         fields += list(st) + [0] * pad
-    small = rows < 2**32 and all(n < 2**32 for n in sizes)
-    return fields + [nd, int(small)]
+    small = rows < 2**31 and all(n < 2**31 for n in sizes)
+    magic = [magic_divisor(n) if small and n > 1 else (0, 0) for n in sizes] + [(0, 0)] * pad
+    return fields + [m for m, _ in magic] + [s for _, s in magic] + [nd, int(small)]
 
 
 def _vector_ok(itemsize: int, ops: list, lead: tuple, n: int | None = None) -> bool:

@@ -32,33 +32,37 @@ MASK_KINDS = {
 }
 
 CHUNK_BYTES = 16          # one vector access
-REG_VALUES = 32           # fp32 values of a row one thread holds in the big register tier
+REG_VALUES = 32           # fp32 values of row data one thread holds (forward)
+BWD_VALUES = 16           # backward holds y and dy: 16 values of each
 MAX_TPR = 1024            # threads per row of the register tier (one block)
+SHORT_CHUNKS = 32         # rows of at most this many chunks take the short tier
+SHORT_BLOCK = 128         # block of the short tier
 LOOP_THREADS = 1024       # block size of the looped tier
 MIN_BLOCK = 128           # register-tier blocks hold at least this many threads
-MAX_GRID = 2**31 - 1
-
+# Blocks per launch at most; beyond it the kernels loop over rows with a grid stride
+# (65535 blocks of >= 128 threads are far more than the largest GPU holds at once).
+MAX_GRID = 65535
 
 
 def reg_nch(itemsize: int, values: int = REG_VALUES) -> int:
-    """Chunks per thread of the big register tier: `values` fp32 values (forward: 32, that
-    is 4 chunks of 16-bit or 8 of fp32; backward, which holds y and dy: 16 of each)."""
+    """Chunks (16 bytes each) in `values` fp32 values: 4 of 16-bit or 8 of fp32 data
+    forward, 2 or 4 backward.  The short tier's rows per thread are the same number."""
     return values // (CHUNK_BYTES // itemsize)
 
 
-BWD_VALUES = REG_VALUES // 2
-
-
-# Register tier, by the number of 16-byte chunks in a row.  Rows are spread over a
-# power-of-two number of threads per row (TPR); each thread holds NCH chunks in registers.
-#   (max chunks as a function of NCH_big, NCH, comment)
-REG_TABLE = (
-    (lambda big: 32, lambda big: 1, "short rows: one chunk per thread, 1..32 threads (a warp at most) per row"),
-    (lambda big: MAX_TPR * big, lambda big: big,
-     "32 values per thread (fewer threads, fewer per-thread overheads), 1..1024 threads per row"),
+# The tiers, by the number of 16-byte chunks in a row (n = reg_nch: 4 for 16-bit, 8 for
+# fp32 forward; 2 and 4 backward).  Threads per row (TPR) is a power of two.
+#   tier       chunks per row          layout
+TIERS = (
+    ("short", "<= 32", "one chunk per thread, TPR = 1..32 (within a warp), n rows per thread in flight"),
+    ("register", "<= 1024 * n", "n chunks per thread, TPR = 1..1024 (block reduction above 32)"),
+    ("loop", "> 1024 * n", "a block of 1024 per row, two passes over the row"),
 )
-# Beyond the table (rows longer than 32768 elements forward, 16384 backward) the looped
-# tier takes a block per row and reads the row twice.
+# So the register tier ends at 32768 elements forward and 16384 backward, every dtype.
+
+
+def kernel_fwd_short(dtype: str, mask_kind: str, rows_per_thread: int) -> str:
+    return f"smx_fwd_short<{X_DTYPES[dtype][0]}, {MASK_KINDS[mask_kind]}, {rows_per_thread}>"
 
 
 def kernel_fwd_reg(dtype: str, mask_kind: str, nch: int) -> str:
@@ -67,6 +71,10 @@ def kernel_fwd_reg(dtype: str, mask_kind: str, nch: int) -> str:
 
 def kernel_fwd_loop(dtype: str, mask_kind: str) -> str:
     return f"smx_fwd_loop<{X_DTYPES[dtype][0]}, {MASK_KINDS[mask_kind]}>"
+
+
+def kernel_bwd_short(dtype: str, rows_per_thread: int) -> str:
+    return f"smx_bwd_short<{X_DTYPES[dtype][0]}, {rows_per_thread}>"
 
 
 def kernel_bwd_reg(dtype: str, nch: int) -> str:
@@ -80,26 +88,26 @@ def kernel_bwd_loop(dtype: str) -> str:
 def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
-    for dt in X_DTYPES:
-        nchs = (1, reg_nch(X_DTYPES[dt][1]))
+    for dt, (_, item) in X_DTYPES.items():
+        n = reg_nch(item)
         for mk in MASK_KINDS:
-            names += [kernel_fwd_reg(dt, mk, n) for n in nchs]
-            names.append(kernel_fwd_loop(dt, mk))
-        names += [kernel_bwd_reg(dt, n) for n in (1, reg_nch(X_DTYPES[dt][1], BWD_VALUES))]
-        names.append(kernel_bwd_loop(dt))
+            names += [kernel_fwd_short(dt, mk, n), kernel_fwd_reg(dt, mk, n), kernel_fwd_loop(dt, mk)]
+        nb = reg_nch(item, BWD_VALUES)
+        names += [kernel_bwd_short(dt, nb), kernel_bwd_reg(dt, nb), kernel_bwd_loop(dt)]
     return names
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str      # name expression of the kernel
-    tier: str        # "register" or "loop"
+    tier: str        # "short", "register" or "loop"
     grid: int
     block: int
     tpr_log2: int    # log2(threads per row); for the loop tier log2(block)
-    nch: int         # chunks per thread (register tier), 0 for the loop tier
+    nch: int         # chunks per thread and row (1 short, n register, 0 loop)
+    rpt: int         # rows per thread at once (n short, 1 otherwise)
     vector: bool     # 16-byte accesses
-    reason: str      # which table row chose it
+    reason: str      # which tier row chose it
 
     def describe(self) -> str:
         return (
@@ -117,43 +125,40 @@ def _log2_ceil(n: int) -> int:
     return (n - 1).bit_length() if n > 1 else 0
 
 
-def choose_shape(rows: int, sk: int, itemsize: int, values: int = REG_VALUES) -> tuple[str, int, int, int, str]:
-    """(tier, nch, tpr_log2, block, reason) for `rows` rows of `sk` elements."""
-    per_chunk = CHUNK_BYTES // itemsize
-    chunks = _ceil_div(sk, per_chunk)
-    big = reg_nch(itemsize, values)
-    for max_chunks, nch, comment in REG_TABLE:
-        if chunks <= max_chunks(big):
-            n = nch(big)
-            tpr_log2 = _log2_ceil(_ceil_div(chunks, n))
-            block = max(1 << tpr_log2, MIN_BLOCK)
-            return "register", n, tpr_log2, block, f"{chunks} chunks <= {max_chunks(big)}: {comment}"
-    return (
-        "loop",
-        0,
-        _log2_ceil(LOOP_THREADS),
-        LOOP_THREADS,
-        f"{chunks} chunks > {REG_TABLE[-1][0](big)}: a block of {LOOP_THREADS} per row, two passes",
-    )
+def choose_shape(rows: int, sk: int, itemsize: int, values: int = REG_VALUES):
+    """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements."""
+    chunks = _ceil_div(sk, CHUNK_BYTES // itemsize)
+    n = reg_nch(itemsize, values)
+    if chunks <= SHORT_CHUNKS:
+        t = _log2_ceil(chunks)
+        grid = _ceil_div(rows, (SHORT_BLOCK >> t) * n)
+        return "short", 1, n, t, SHORT_BLOCK, grid, f"{chunks} chunks {TIERS[0][1]}: {TIERS[0][2]}"
+    if chunks <= MAX_TPR * n:
+        t = _log2_ceil(_ceil_div(chunks, n))
+        block = max(1 << t, MIN_BLOCK)
+        grid = _ceil_div(rows, block >> t)
+        return "register", n, 1, t, block, grid, f"{chunks} chunks {TIERS[1][1]}: {TIERS[1][2]}"
+    t = _log2_ceil(LOOP_THREADS)
+    return "loop", 0, 1, t, LOOP_THREADS, rows, f"{chunks} chunks {TIERS[2][1]}: {TIERS[2][2]}"
 
 
 def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool) -> LaunchPlan:
-    tier, nch, tpr_log2, block, reason = choose_shape(rows, sk, X_DTYPES[dtype][1])
-    if tier == "register":
-        name = kernel_fwd_reg(dtype, mask_kind, nch)
-        grid = _ceil_div(rows, block >> tpr_log2)
-    else:
-        name = kernel_fwd_loop(dtype, mask_kind)
-        grid = rows
-    return LaunchPlan(name, tier, min(grid, MAX_GRID), block, tpr_log2, nch, vector, reason)
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, X_DTYPES[dtype][1])
+    n = reg_nch(X_DTYPES[dtype][1])
+    name = {
+        "short": lambda: kernel_fwd_short(dtype, mask_kind, n),
+        "register": lambda: kernel_fwd_reg(dtype, mask_kind, n),
+        "loop": lambda: kernel_fwd_loop(dtype, mask_kind),
+    }[tier]()
+    return LaunchPlan(name, tier, min(grid, MAX_GRID), block, t, nch, rpt, vector, reason)
 
 
 def plan_backward(rows: int, sk: int, dtype: str, vector: bool) -> LaunchPlan:
-    tier, nch, tpr_log2, block, reason = choose_shape(rows, sk, X_DTYPES[dtype][1], BWD_VALUES)
-    if tier == "register":
-        name = kernel_bwd_reg(dtype, nch)
-        grid = _ceil_div(rows, block >> tpr_log2)
-    else:
-        name = kernel_bwd_loop(dtype)
-        grid = rows
-    return LaunchPlan(name, tier, min(grid, MAX_GRID), block, tpr_log2, nch, vector, reason)
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, X_DTYPES[dtype][1], BWD_VALUES)
+    n = reg_nch(X_DTYPES[dtype][1], BWD_VALUES)
+    name = {
+        "short": lambda: kernel_bwd_short(dtype, n),
+        "register": lambda: kernel_bwd_reg(dtype, n),
+        "loop": lambda: kernel_bwd_loop(dtype),
+    }[tier]()
+    return LaunchPlan(name, tier, min(grid, MAX_GRID), block, t, nch, rpt, vector, reason)

@@ -171,6 +171,24 @@ def test_mask_rows_read_whole_or_element_wise(mdtype, sk):
         _check_forward(x, m, scale=0.5, what=f"mask {name} {mdtype} Sk={sk}")
 
 
+@pytest.mark.parametrize("dtype,rows,sk", [
+    ("float16", 1_100_000, 256),     # short tier: 16 rows per block iteration, > 65535 blocks
+    ("float32", 140_000, 2048),      # register tier, 2 rows per block
+    ("bfloat16", 70_000, 32769),     # looped tier, a row per block
+])
+def test_grid_stride_loops_cover_every_row(dtype, rows, sk):
+    # More rows than the capped grid holds: the kernels loop.  Checked against a float64
+    # softmax on the GPU at rows spread over the whole tensor, the last one included.
+    x = torch.randn((rows, sk), device="cuda", dtype=DTYPES[dtype])
+    y = torch.full_like(x, float("nan"))
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5, out=y)
+    idx = torch.cat([torch.arange(0, rows, max(1, rows // 97), device="cuda"),
+                     torch.tensor([rows - 1], device="cuda")])
+    ref = torch.softmax(x[idx].double() * 0.5, -1)
+    assert_matches(y[idx].float().cpu().numpy(), ref.cpu().numpy(), dtype, f"grid-stride {dtype} {rows}x{sk}")
+    assert not torch.isnan(y).any()
+
+
 def test_in_place_out_equals_x():
     for sk in (100, 40000):
         x = _rand((2, 2, 3, sk), torch.bfloat16)

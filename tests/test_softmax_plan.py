@@ -36,26 +36,26 @@ def _tpr(plan) -> int:
 # (Sk, tier, chunks per thread, threads per row).  16-bit dtypes: 8 elements per 16-byte
 # chunk; the big register tier holds 32 values per thread forward (4 chunks) and 16 of y
 # and of dy backward (2 chunks).
-#   1, 2, 8     one chunk: one thread per row
+#   1, 2, 8     one chunk: one thread per row (short tier: n rows per thread)
 #   9           two chunks: 2 threads
 #   31,32,33    4 chunks (4 threads) / 5 chunks (8 threads)
-#   256/257     32 chunks = a warp of 1-chunk threads / 33 chunks -> the big tier
+#   256/257     32 chunks = a warp of 1-chunk threads, the short tier's end / 33 chunks -> register tier
 #   32768/9     forward capacity: 1024 threads x 4 chunks / the looped tier
 #   16384/5     backward capacity: 1024 threads x 2 chunks / the looped tier
 FWD_16 = [
-    (1, "register", 1, 1), (2, "register", 1, 1), (8, "register", 1, 1), (9, "register", 1, 2),
-    (31, "register", 1, 4), (32, "register", 1, 4), (33, "register", 1, 8),
-    (256, "register", 1, 32), (257, "register", 4, 16),
+    (1, "short", 1, 1), (2, "short", 1, 1), (8, "short", 1, 1), (9, "short", 1, 2),
+    (31, "short", 1, 4), (32, "short", 1, 4), (33, "short", 1, 8),
+    (256, "short", 1, 32), (257, "register", 4, 16),
     (1024, "register", 4, 32), (1025, "register", 4, 64),
     (32768, "register", 4, 1024), (32769, "loop", 0, 1024),
 ]
 BWD_16 = FWD_16[:7] + [
-    (256, "register", 1, 32), (257, "register", 2, 32), (512, "register", 2, 32), (513, "register", 2, 64),
+    (256, "short", 1, 32), (257, "register", 2, 32), (512, "register", 2, 32), (513, "register", 2, 64),
     (16384, "register", 2, 1024), (16385, "loop", 0, 1024), (32768, "loop", 0, 1024),
 ]
 # fp32: 4 elements per chunk; 8 chunks per thread forward, 4 backward.
 FWD_32 = [
-    (1, "register", 1, 1), (4, "register", 1, 1), (5, "register", 1, 2), (128, "register", 1, 32),
+    (1, "short", 1, 1), (4, "short", 1, 1), (5, "short", 1, 2), (128, "short", 1, 32),
     (129, "register", 8, 8), (1024, "register", 8, 32), (1025, "register", 8, 64),
     (32768, "register", 8, 1024), (32769, "loop", 0, 1024),
 ]
@@ -78,9 +78,14 @@ def test_boundary_tiers(dtype, backward, sk, tier, nch, tpr):
             else _plan.plan_forward(rows, sk, dtype, "hide1", True))
     assert (plan.tier, plan.nch, _tpr(plan)) == (tier, nch, tpr), plan
     t = _plan.X_DTYPES[dtype][0]
-    if tier == "register":
+    n = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES if backward else _plan.REG_VALUES)
+    if tier == "short":
+        want = f"smx_bwd_short<{t}, {n}>" if backward else f"smx_fwd_short<{t}, MaskHide<smx_u8>, {n}>"
+        assert plan.block == 128 and plan.rpt == n
+        assert plan.grid == -(-rows // ((plan.block // tpr) * n))
+    elif tier == "register":
         want = f"smx_bwd_reg<{t}, {nch}>" if backward else f"smx_fwd_reg<{t}, MaskHide<smx_u8>, {nch}>"
-        assert plan.block == max(tpr, 128)
+        assert plan.block == max(tpr, 128) and plan.rpt == 1
         assert plan.grid == -(-rows // (plan.block // tpr))
     else:
         want = f"smx_bwd_loop<{t}>" if backward else f"smx_fwd_loop<{t}, MaskHide<smx_u8>>"
@@ -110,14 +115,16 @@ def test_sweep_plans_are_consistent_and_named_kernels_exist(dtype):
                 assert p.kernel in names, (sk, p)
                 assert p.block % 32 == 0 and 32 <= p.block <= 1024, p
                 assert 1 <= p.grid <= _plan.MAX_GRID
-                if p.tier == "register":
+                if p.tier in ("short", "register"):
                     tpr = _tpr(p)
                     big = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES if "bwd" in p.kernel else _plan.REG_VALUES)
-                    assert p.nch in (1, big) and tpr <= p.block and p.block % tpr == 0, p
+                    assert (p.nch, p.rpt) == ((1, big) if p.tier == "short" else (big, 1)), p
+                    assert tpr <= p.block and p.block % tpr == 0, p
+                    assert p.tier == "register" or tpr <= 32, p  # short rows stay within a warp
                     # The row fits in tpr x nch chunks, and would not fit in half the threads.
                     assert tpr * p.nch * per_chunk >= sk, (sk, p)
                     assert tpr == 1 or (tpr // 2) * p.nch * per_chunk < sk, (sk, p)
-                    assert p.grid * (p.block // tpr) >= rows
+                    assert p.grid * (p.block // tpr) * p.rpt >= rows
                 else:
                     assert p.tier == "loop" and p.nch == 0 and p.grid == rows
                     assert sk > (32768 if "fwd" in p.kernel else 16384)
@@ -161,10 +168,11 @@ def test_grid_is_capped_for_huge_row_counts():
 
 
 def test_kernel_name_templates_are_instantiable_names():
-    pat = re.compile(r"^smx_(fwd_reg<\w+, \w+(<\w+>)?, [148]>|fwd_loop<\w+, \w+(<\w+>)?>|bwd_reg<\w+, [124]>|bwd_loop<\w+>)$")
+    pat = re.compile(r"^smx_((fwd_short|fwd_reg)<\w+, \w+(<\w+>)?, [48]>|fwd_loop<\w+, \w+(<\w+>)?>|"
+                     r"(bwd_short|bwd_reg)<\w+, [24]>|bwd_loop<\w+>)$")
     for n in _plan.all_kernel_names():
         assert pat.match(n), n
-    n_fwd = len(DTYPES) * len(MASK_KINDS) * 3   # one-chunk and big register tiers, loop tier
+    n_fwd = len(DTYPES) * len(MASK_KINDS) * 3   # short, register and loop tiers
     n_bwd = len(DTYPES) * 3
     assert len(_plan.all_kernel_names()) == n_fwd + n_bwd
 
@@ -175,12 +183,12 @@ def test_kernel_name_templates_are_instantiable_names():
 @pytest.mark.parametrize(
     "shape,dtype,kw,tier,needle",
     [
-        ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd_reg<smx_f16, MaskNone, 1>"),
-        ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
+        ((2, 12, 128, 128), "float16", {}, "short", "smx_fwd_short<smx_f16, MaskNone, 4>"),
+        ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "short", "MaskHide<smx_u8>"),
         ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8>"),
         ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>>"),
         ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float>"),
-        ((7, 9), "float16", {"backward": True}, "register", "smx_bwd_reg<smx_f16, 1>"),
+        ((7, 9), "float16", {"backward": True}, "short", "smx_bwd_short<smx_f16, 2>"),
     ],
 )
 def test_explain_names_tier_and_kernel(shape, dtype, kw, tier, needle):
@@ -316,7 +324,7 @@ def test_geometry_beyond_maxd_is_an_argument_error():
 # ----------------------------------------------------------------------------------
 # The parameter structs, against the C source.
 
-C_CODES = {"smx_i64": "q", "long long": "q", "int": "i", "float": "f"}
+C_CODES = {"smx_i64": "q", "long long": "q", "int": "i", "float": "f", "smx_u32": "I"}
 
 
 def _c_defines(text):
@@ -395,8 +403,8 @@ def _parsed_structs():
 
 
 def test_struct_sizes():
-    assert _core.FWD_STRUCT.size == 352
-    assert _core.BWD_STRUCT.size == 344
+    assert _core.FWD_STRUCT.size == 400
+    assert _core.BWD_STRUCT.size == 392
 
 
 @pytest.mark.parametrize("cname,pystruct", [("FwdParams", _core.FWD_STRUCT), ("BwdParams", _core.BWD_STRUCT)])
@@ -443,7 +451,7 @@ def test_prepared_forward_parameters_read_back_under_c_names():
     klen = Op(0x4000, "int64", (2,), (1,))
     prep = _core.prepare_forward(_FakeDevice(), x, y, mask, klen, True, 0.125, True)
     f = _unpack("FwdParams", _core.FWD_STRUCT, prep)
-    assert prep.kernel == "<CUfunction smx_fwd_reg<smx_f16, MaskHide<smx_u8>, 1>>" and prep.nargs == 5
+    assert prep.kernel == "<CUfunction smx_fwd_short<smx_f16, MaskHide<smx_u8>, 4>>" and prep.nargs == 5
     assert f["g.rows"] == 24 and f["g.ndim"] == 3 and f["g.small"] == 1
     assert [f[f"g.size[{d}]"] for d in range(6)] == [2, 3, 4, 1, 1, 1]
     stride = [[f[f"g.stride[{k}][{d}]"] for d in range(3)] for k in range(5)]
@@ -453,7 +461,11 @@ def test_prepared_forward_parameters_read_back_under_c_names():
     assert f["scale"] == 0.125
     assert f["flags"] == _core.F_CAUSAL | _core.F_KLEN | _core.F_KLEN64 | _core.F_VEC
     assert f["tpr_log2"] == prep.plan.tpr_log2 == 3   # 5 chunks -> 8 threads
-    assert (prep.grid, prep.block) == (prep.plan.grid, prep.plan.block) == (2, 128)
+    assert (prep.grid, prep.block) == (prep.plan.grid, prep.plan.block) == (1, 128)
+    # Division by the inner sizes (3 and 4) through multiply-high and shift; the outermost needs none.
+    for d, n in ((1, 3), (2, 4)):
+        m, sh = f[f"g.mul[{d}]"], f[f"g.shr[{d}]"]
+        assert all(((r * m) >> 32) >> sh == r // n for r in range(0, 5000, 7))
 
 
 def test_prepared_forward_strided_int32_klen_no_vector():
