@@ -261,9 +261,45 @@ def test_tensor_on_another_device_than_current():
     if n < 2:
         pytest.skip("needs two GPUs: a tensor on cuda:1 while cuda:0 is current")
     with torch.cuda.device(0):
-        x = _fresh((2, 3, 4, 100)).to("cuda:1")
-        y = drvsoftmax.scaled_masked_softmax(x, causal=True)
-        torch.cuda.synchronize(1)
-    assert y.device == x.device
-    ref = _reference.softmax_forward(x.float().cpu().numpy(), None, 1.0, True)
-    assert_matches(y.float().cpu().numpy(), ref, "float16", "cuda:1")
+        x = _fresh((2, 3, 4, 100)).to("cuda:1").requires_grad_()
+        s1 = torch.cuda.Stream(device=1)
+        with torch.cuda.stream(s1):  # cuda:1's current stream, while cuda:0 is the current device
+            y = drvsoftmax.scaled_masked_softmax(x, causal=True)
+            (gx,) = torch.autograd.grad(y, (x,), torch.ones_like(y))
+        s1.synchronize()
+    assert y.device == x.device == gx.device
+    ref = _reference.softmax_forward(x.detach().float().cpu().numpy(), None, 1.0, True)
+    assert_matches(y.detach().float().cpu().numpy(), ref, "float16", "cuda:1")
+    assert gx.abs().max().item() < 1e-2  # d/dx of sum(softmax) is 0
+
+    errors = []
+
+    def work(i):
+        try:
+            dev = i % 2
+            with torch.cuda.device(1 - dev):  # the other device is current
+                xi = _fresh((3, 5, 300)).to(f"cuda:{dev}")
+                for _ in range(10):
+                    yi = drvsoftmax.scaled_masked_softmax(xi, scale=0.5)
+                    torch.cuda.synchronize(dev)
+                    assert_matches(yi.float().cpu().numpy(),
+                                   _reference.softmax_forward(xi.float().cpu().numpy(), None, 0.5), "float16", "thr")
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+@requires_cuda
+def test_data_parallel_step_matches_single_process():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: examples/ddp_attention.py runs one process per GPU")
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "ddp_attention.py")], capture_output=True,
+                       text=True, timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(ROOT),
+                                                    "NCCL_NVLS_ENABLE": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
