@@ -37,6 +37,7 @@ BWD_VALUES = 16           # backward holds y and dy: 16 values of each
 MAX_TPR = 1024            # threads per row of the register tier (one block)
 SHORT_CHUNKS = 32         # rows of at most this many chunks take the short tier
 SHORT_BLOCK = 128         # block of the short tier
+SHORT_ROWS = 4            # rows per thread in flight in the short tier (forward)
 LOOP_THREADS = 1024       # block size of the looped tier
 MIN_BLOCK = 128           # register-tier blocks hold at least this many threads
 # Blocks per launch at most; beyond it the kernels loop over rows with a grid stride
@@ -46,7 +47,7 @@ MAX_GRID = 65535
 
 def reg_nch(itemsize: int, values: int = REG_VALUES) -> int:
     """Chunks (16 bytes each) in `values` fp32 values: 4 of 16-bit or 8 of fp32 data
-    forward, 2 or 4 backward.  The short tier's rows per thread are the same number."""
+    forward, 2 or 4 backward."""
     return values // (CHUNK_BYTES // itemsize)
 
 
@@ -54,7 +55,7 @@ def reg_nch(itemsize: int, values: int = REG_VALUES) -> int:
 # fp32 forward; 2 and 4 backward).  Threads per row (TPR) is a power of two.
 #   tier       chunks per row          layout
 TIERS = (
-    ("short", "<= 32", "one chunk per thread, TPR = 1..32 (within a warp), n rows per thread in flight"),
+    ("short", "<= 32", "one chunk per thread, TPR = 1..32 (within a warp), several rows per thread in flight"),
     ("register", "<= 1024 * n", "n chunks per thread, TPR = 1..1024 (block reduction above 32)"),
     ("loop", "> 1024 * n", "a block of 1024 per row, two passes over the row"),
 )
@@ -91,7 +92,7 @@ def all_kernel_names() -> list[str]:
     for dt, (_, item) in X_DTYPES.items():
         n = reg_nch(item)
         for mk in MASK_KINDS:
-            names += [kernel_fwd_short(dt, mk, n), kernel_fwd_reg(dt, mk, n), kernel_fwd_loop(dt, mk)]
+            names += [kernel_fwd_short(dt, mk, SHORT_ROWS), kernel_fwd_reg(dt, mk, n), kernel_fwd_loop(dt, mk)]
         nb = reg_nch(item, BWD_VALUES)
         names += [kernel_bwd_short(dt, nb), kernel_bwd_reg(dt, nb), kernel_bwd_loop(dt)]
     return names
@@ -125,14 +126,20 @@ def _log2_ceil(n: int) -> int:
     return (n - 1).bit_length() if n > 1 else 0
 
 
+def short_rows(itemsize: int, backward: bool) -> int:
+    """Rows per thread of the short tier: 4 forward; backward (y and dy) 16 values' worth."""
+    return reg_nch(itemsize, BWD_VALUES) if backward else SHORT_ROWS
+
+
 def choose_shape(rows: int, sk: int, itemsize: int, values: int = REG_VALUES):
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements."""
     chunks = _ceil_div(sk, CHUNK_BYTES // itemsize)
     n = reg_nch(itemsize, values)
     if chunks <= SHORT_CHUNKS:
         t = _log2_ceil(chunks)
-        grid = _ceil_div(rows, (SHORT_BLOCK >> t) * n)
-        return "short", 1, n, t, SHORT_BLOCK, grid, f"{chunks} chunks {TIERS[0][1]}: {TIERS[0][2]}"
+        r = short_rows(itemsize, values == BWD_VALUES)
+        grid = _ceil_div(rows, (SHORT_BLOCK >> t) * r)
+        return "short", 1, r, t, SHORT_BLOCK, grid, f"{chunks} chunks {TIERS[0][1]}: {TIERS[0][2]}"
     if chunks <= MAX_TPR * n:
         t = _log2_ceil(_ceil_div(chunks, n))
         block = max(1 << t, MIN_BLOCK)
@@ -146,7 +153,7 @@ def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool) -
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, X_DTYPES[dtype][1])
     n = reg_nch(X_DTYPES[dtype][1])
     name = {
-        "short": lambda: kernel_fwd_short(dtype, mask_kind, n),
+        "short": lambda: kernel_fwd_short(dtype, mask_kind, rpt),
         "register": lambda: kernel_fwd_reg(dtype, mask_kind, n),
         "loop": lambda: kernel_fwd_loop(dtype, mask_kind),
     }[tier]()
@@ -157,7 +164,7 @@ def plan_backward(rows: int, sk: int, dtype: str, vector: bool) -> LaunchPlan:
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, X_DTYPES[dtype][1], BWD_VALUES)
     n = reg_nch(X_DTYPES[dtype][1], BWD_VALUES)
     name = {
-        "short": lambda: kernel_bwd_short(dtype, n),
+        "short": lambda: kernel_bwd_short(dtype, rpt),
         "register": lambda: kernel_bwd_reg(dtype, n),
         "loop": lambda: kernel_bwd_loop(dtype),
     }[tier]()
