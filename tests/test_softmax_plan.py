@@ -78,7 +78,7 @@ def test_boundary_tiers(dtype, backward, sk, tier, nch, tpr):
             else _plan.plan_forward(rows, sk, dtype, "hide1", True))
     assert (plan.tier, plan.nch, _tpr(plan)) == (tier, nch, tpr), plan
     t = _plan.X_DTYPES[dtype][0]
-    n = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES if backward else _plan.REG_VALUES)
+    n = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES) if backward else 4  # rows per thread, short tier
     if tier == "short":
         want = f"smx_bwd_short<{t}, {n}>" if backward else f"smx_fwd_short<{t}, MaskHide<smx_u8>, {n}>"
         assert plan.block == 128 and plan.rpt == n
@@ -118,7 +118,8 @@ def test_sweep_plans_are_consistent_and_named_kernels_exist(dtype):
                 if p.tier in ("short", "register"):
                     tpr = _tpr(p)
                     big = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES if "bwd" in p.kernel else _plan.REG_VALUES)
-                    assert (p.nch, p.rpt) == ((1, big) if p.tier == "short" else (big, 1)), p
+                    rpt = _plan.short_rows(ITEMSIZE[dtype], "bwd" in p.kernel)
+                    assert (p.nch, p.rpt) == ((1, rpt) if p.tier == "short" else (big, 1)), p
                     assert tpr <= p.block and p.block % tpr == 0, p
                     assert p.tier == "register" or tpr <= 32, p  # short rows stay within a warp
                     # The row fits in tpr x nch chunks, and would not fit in half the threads.
