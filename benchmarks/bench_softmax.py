@@ -1313,7 +1313,9 @@ def collect_env(dry: bool) -> dict:
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "commit": _cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "unknown",
+        # A copy of the tree without .git (a remote GPU machine) names it with DRVSOFTMAX_COMMIT.
+        "commit": _cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+        or os.environ.get("DRVSOFTMAX_COMMIT", "unknown"),
         "python": platform.python_version(),
     }
     if env["commit"] != "unknown" and _cmd(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]):
