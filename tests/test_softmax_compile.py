@@ -10,6 +10,7 @@ import concurrent.futures
 import hashlib
 import json
 import multiprocessing
+import os
 import struct
 
 import pytest
@@ -50,7 +51,8 @@ def test_every_kernel_compiles_for_every_architecture():
     assert set(_compiler.ARCHS) == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     # spawn, not fork: the parent may hold torch's thread pools, and children need no torch.
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+    workers = max(2, min(len(_compiler.ARCHS), os.cpu_count() or 2))
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {arch: pool.submit(_compiler.compile_kernels, arch) for arch in jobs}
         results = {arch: f.result(timeout=600) for arch, f in futures.items()}
     for arch in _compiler.ARCHS:
