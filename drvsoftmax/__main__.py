@@ -78,16 +78,22 @@ def demo(shape=(4, 12, 512, 512), iters=50) -> int:
         print(f"scaled_masked_softmax{small} float32 (bool mask + causal) on the CPU: {dt * 1e3:.2f} ms; "
               f"rows sum to 1: {np.allclose(y.sum(-1), 1, atol=1e-5)}")
         return 0
-    dev = torch.device("cuda")
-    print(f"GPU: {torch.cuda.get_device_name(dev)}; input {tuple(shape)} float16, bool mask [B,1,Sq,Sk], "
-          f"scale {scale}, causal")
-    x = torch.randn(shape, device=dev, dtype=torch.float16) * 3
-    mask = torch.rand((shape[0], 1, shape[2], shape[3]), device=dev) < 0.1
+    return run_demo(torch, torch.device("cuda"), shape, iters)
+
+
+def run_demo(torch, dev, shape=(4, 12, 512, 512), iters=50, scale=1.0 / 8.0) -> int:
+    """The attention-shaped check and timing on `dev` (the GPU; the CPU in tests)."""
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"{'GPU' if dev.type == 'cuda' else 'device'}: {name}; input {tuple(shape)} float16, "
+          f"bool mask [B,1,Sq,Sk], scale {scale}, causal")
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dev, torch.float16)
+    mask = (torch.rand((shape[0], 1, shape[2], shape[3]), generator=gen) < 0.1).to(dev)
     y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=True)
-    torch.cuda.synchronize()
     ref = _reference.softmax_forward(x.float().cpu().numpy(), mask.cpu().numpy(), scale, True)
     err = float(np.max(np.abs(y.float().cpu().numpy() - ref)))
-    print(f"max |drvsoftmax - float64 reference| = {err:.2e} ({'OK' if err < 2e-3 else 'TOO LARGE'})")
+    ok = err < 2e-3
+    print(f"max |drvsoftmax - float64 reference| = {err:.2e} ({'OK' if ok else 'TOO LARGE'})")
 
     def eager():
         causal = torch.ones(shape[2], shape[3], dtype=torch.bool, device=dev).triu(1)
@@ -96,19 +102,25 @@ def demo(shape=(4, 12, 512, 512), iters=50) -> int:
     def ours():
         return drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=True)
 
-    for name, fn in (("drvsoftmax", ours), ("PyTorch eager", eager)):
+    for label, fn in (("drvsoftmax", ours), ("PyTorch eager", eager)):
         for _ in range(3):
             fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / iters
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+        else:
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            ms = (time.perf_counter() - t) * 1e3 / iters
         gbs = (x.numel() * 2 * 2 + mask.numel()) / ms / 1e6
-        print(f"  {name:14s} {ms * 1e3:8.1f} us/call  {gbs:7.0f} GB/s (x + mask + y, minimum bytes)")
-    return 0 if err < 2e-3 else 1
+        print(f"  {label:14s} {ms * 1e3:8.1f} us/call  {gbs:7.0f} GB/s (x + mask + y, minimum bytes)")
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:

@@ -179,3 +179,13 @@ def test_info_without_a_gpu_still_reports():
     assert r.returncode == 0, r.stderr
     for needle in ("drvsoftmax ", "cuda-bindings", "NVRTC", "run-time compile cache", "packaged artifacts"):
         assert needle in r.stdout
+
+
+def test_demo_checks_and_times_on_any_device(capsys):
+    torch = pytest.importorskip("torch")
+    from drvsoftmax.__main__ import run_demo
+
+    assert run_demo(torch, torch.device("cpu"), shape=(1, 2, 16, 24), iters=2) == 0
+    out = capsys.readouterr().out
+    assert "max |drvsoftmax - float64 reference|" in out and "OK" in out
+    assert "drvsoftmax" in out and "PyTorch eager" in out and "us/call" in out
