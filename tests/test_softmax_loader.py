@@ -100,11 +100,19 @@ def test_exact_cubin_first(chain):
     assert _loader.describe_source("sm_90", 13000).startswith("packaged cubin drvsoftmax_sm_90")
 
 
+def _ptx_driver(folder) -> int:
+    """The oldest driver version that takes the PTX this NVRTC wrote (13000 for NVRTC 13.0,
+    13050 for 13.5: the build records it, and the loader compares against it)."""
+    m = json.loads((folder / "manifest.json").read_text())
+    return max(e["min_cuda"] for e in m["files"].values() if e["kind"] == "ptx")
+
+
 def test_ptx_when_no_cubin_and_driver_is_new_enough(chain):
     folder, loads, compiled = chain
-    k, origin = _loader.find_kernel(K1, "sm_89", 13000)   # no sm_89 cubin; compute_90 is too new an arch
+    drv = _ptx_driver(folder)
+    k, origin = _loader.find_kernel(K1, "sm_89", drv)   # no sm_89 cubin; compute_90 is too new an arch
     assert origin.startswith("packaged PTX drvsoftmax_compute_75.ptx")
-    k, origin = _loader.find_kernel(K1, "sm_100", 13000)  # newest PTX the device can JIT
+    k, origin = _loader.find_kernel(K1, "sm_100", drv)  # newest PTX the device can JIT
     assert origin.startswith("packaged PTX drvsoftmax_compute_90.ptx")
     assert not compiled
 
@@ -154,7 +162,7 @@ def test_corrupted_file_is_not_used(chain):
     data = bytearray(p.read_bytes())
     data[100] ^= 0xFF
     p.write_bytes(bytes(data))
-    k, origin = _loader.find_kernel(K1, "sm_90", 13000)
+    k, origin = _loader.find_kernel(K1, "sm_90", _ptx_driver(folder))
     assert origin.startswith("packaged PTX drvsoftmax_compute_90.ptx")
 
 
