@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -334,10 +335,23 @@ def _traced_path(x) -> bool:
     return type(x) not in _PLAIN or _is_compiling()
 
 
+def _as_lengths(key_lengths, x):
+    """key_lengths given as a list, tuple or NumPy array: a tensor on x's device (a small
+    host-to-device copy; pass a tensor on x's device to avoid it)."""
+    if key_lengths is None or isinstance(key_lengths, Tensor):
+        return key_lengths
+    if isinstance(key_lengths, (list, tuple, np.ndarray)):
+        return torch.as_tensor(np.asarray(key_lengths), device=x.device)
+    raise arg_type_error("key_lengths", "a tensor, list or array of integers of shape [B] (or None)",
+                         type(key_lengths).__name__)
+
+
 def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, out=None, stream=None):
     """See :func:`drvsoftmax.scaled_masked_softmax`."""
+    key_lengths = _as_lengths(key_lengths, x)
     if type(x) not in _PLAIN or _is_compiling():
-        y = torch.ops.drvsoftmax.scaled_masked_softmax(x, mask, float(scale), bool(causal), key_lengths)
+        scale, causal = _args.check_scale(scale), _args.check_causal(causal)
+        y = torch.ops.drvsoftmax.scaled_masked_softmax(x, mask, scale, causal, key_lengths)
         if out is not None:
             out.copy_(y)
             return out

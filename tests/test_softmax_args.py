@@ -190,10 +190,19 @@ def test_validation_precedes_any_work(front):
 
 # -- torch-only argument errors (CPU tensors) ------------------------------------------
 
-def test_torch_key_lengths_must_be_a_tensor():
+def test_torch_key_lengths_as_a_sequence():
+    # A list, tuple or NumPy array is taken as key_lengths (moved to x's device); the
+    # result equals a tensor's.  Anything else is refused.
     x = arr("torch", XSHAPE)
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths=[1, 2]), TypeError,
-                  r"^key_lengths must be a torch\.Tensor.*got list")
+    b = XSHAPE[0]
+    lens = [(i * 3) % (XSHAPE[-1] + 1) for i in range(b)]
+    want = drvsoftmax.scaled_masked_softmax(x, key_lengths=torch.tensor(lens))
+    for given in (lens, tuple(lens), np.array(lens, dtype=np.int32)):
+        assert torch.equal(drvsoftmax.scaled_masked_softmax(x, key_lengths=given), want)
+    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths={0: 1}), TypeError,
+                  r"^key_lengths must be a tensor, list or array of integers.*got dict")
+    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths=[1.5] * b), TypeError,
+                  r"^key_lengths must be of an integer dtype.*got dtype float64")
 
 
 def test_torch_out_with_broadcast_strides():
