@@ -23,7 +23,7 @@ def _version(mod: str) -> str:
         return "not installed"
 
 
-def info() -> int:
+def info(list_kernels: bool = False, arch: str | None = None) -> int:
     print(f"drvsoftmax {drvsoftmax.__version__} (Python {platform.python_version()})")
     print(f"cuda-bindings {_version('cuda-bindings')}, cuda-pathfinder {_version('cuda-pathfinder')}, "
           f"numpy {np.__version__}, torch {_version('torch')}")
@@ -49,14 +49,28 @@ def info() -> int:
         n = _driver.device_count()
     except Exception as e:
         print(f"CUDA driver: not available ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-        print("devices: none; kernels would load, on a GPU, from: " + _loader.describe_source("sm_90", None))
+        a = arch or "sm_90"
+        print(f"devices: none; kernels would load, on an {a} GPU, from: " + _loader.describe_source(a, None))
+        if list_kernels:
+            _list_kernels([a], None)
         return 0
     print(f"CUDA driver: CUDA {ver // 1000}.{(ver % 1000) // 10} ({ver}); {n} device(s)")
+    archs = []
     for i in range(n):
         dev = _driver.device(i)
+        archs.append(dev.arch)
         print(f"  device {i}: {dev.name}, {dev.arch}, {dev.sm_count} SMs; kernels load from: "
               f"{_loader.describe_source(dev.arch, ver)}")
+    if list_kernels:
+        _list_kernels(sorted(set(archs + ([arch] if arch else []))), ver)
     return 0
+
+
+def _list_kernels(archs, driver_version) -> None:
+    for a in archs:
+        print(f"kernels for {a}:")
+        for name in _plan.all_kernel_names():
+            print(f"  {name}: {_loader.describe_source(a, driver_version, name)}")
 
 
 def demo(shape=(4, 12, 512, 512), iters=50) -> int:
@@ -127,9 +141,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m drvsoftmax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run an attention-shaped input through the fused op and time it")
-    sub.add_parser("info", help="versions, devices, where kernels load from, cache folder")
+    pi = sub.add_parser("info", help="versions, devices, where kernels load from, cache folder")
+    pi.add_argument("--kernels", action="store_true", help="list every kernel and where it would load from")
+    pi.add_argument("--arch", default=None, help="also for this architecture (sm_XY), e.g. without a GPU")
     args = p.parse_args(argv)
-    return demo() if args.cmd == "demo" else info()
+    return demo() if args.cmd == "demo" else info(args.kernels, args.arch)
 
 
 if __name__ == "__main__":

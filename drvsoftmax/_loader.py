@@ -204,17 +204,19 @@ def find_kernel(name: str, arch: str, driver_version: int):
     )
 
 
-def describe_source(arch: str, driver_version: int | None) -> str:
-    """Where kernels for `arch` would come from, without loading anything."""
+def describe_source(arch: str, driver_version: int | None, name: str | None = None) -> str:
+    """Where kernels for `arch` (or the kernel `name`) would come from, loading nothing."""
     steps = []
     if not jit_forced():
         art = artifacts()
         if art.usable:
             hit = art.cubin_for(arch)
-            if hit:
+            if hit and (name is None or name in hit[1]["lowered"]):
                 return f"packaged cubin {hit[0]}"
-            steps.append(f"no packaged cubin for {arch}")
+            steps.append(f"no packaged cubin for {arch}" + ("" if hit is None else f" holding {name}"))
             for fname, e in art.ptx_candidates(_compiler.parse_arch(arch)[1]):
+                if name is not None and name not in e["lowered"]:
+                    continue
                 if driver_version is not None and ptx_allowed(e, driver_version):
                     return f"packaged PTX {fname} (JIT by the driver); " + "; ".join(steps)
                 steps.append(f"{fname} needs CUDA {_cuda_str(e.get('min_cuda'))}")
@@ -224,9 +226,14 @@ def describe_source(arch: str, driver_version: int | None) -> str:
         steps.append("DRVSOFTMAX_FORCE_JIT is set")
     if jit_forbidden():
         return "nothing: " + "; ".join(steps + ["DRVSOFTMAX_NO_JIT is set"])
-    return f"NVRTC {_compiler.nvrtc_version_str()} at run time, cached in {_compiler.cache_dir()}; " + "; ".join(
-        steps
-    )
+    where = f"cached in {_compiler.cache_dir()}"
+    if name is not None:
+        try:
+            cached = _compiler.cache_lookup(arch, [name]) is not None
+        except Exception:  # no NVRTC to name the cache entry: it would compile (and fail) then
+            cached = False
+        where = "from the disk cache" if cached else "compiled on first use"
+    return f"NVRTC {_compiler.nvrtc_version_str()} at run time, {where}; " + "; ".join(steps)
 
 
 def _cuda_str(v) -> str:

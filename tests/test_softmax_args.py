@@ -197,8 +197,8 @@ def test_torch_key_lengths_as_a_sequence():
     b = XSHAPE[0]
     lens = [(i * 3) % (XSHAPE[-1] + 1) for i in range(b)]
     want = drvsoftmax.scaled_masked_softmax(x, key_lengths=torch.tensor(lens))
-    for given in (lens, tuple(lens), np.array(lens, dtype=np.int32)):
-        assert torch.equal(drvsoftmax.scaled_masked_softmax(x, key_lengths=given), want)
+    for lengths in (lens, tuple(lens), np.array(lens, dtype=np.int32)):
+        assert torch.equal(drvsoftmax.scaled_masked_softmax(x, key_lengths=lengths), want)
     _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths={0: 1}), TypeError,
                   r"^key_lengths must be a tensor, list or array of integers.*got dict")
     _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths=[1.5] * b), TypeError,

@@ -197,3 +197,24 @@ def test_demo_checks_and_times_on_any_device(capsys):
     out = capsys.readouterr().out
     assert "max |drvsoftmax - float64 reference|" in out and "OK" in out
     assert "drvsoftmax" in out and "PyTorch eager" in out and "us/call" in out
+
+
+def test_describe_each_kernel(chain, tmp_path, monkeypatch):
+    folder, loads, compiled = chain
+    monkeypatch.setenv("DRVSOFTMAX_CACHE_DIR", str(tmp_path / "cache"))
+    other = "smx_bwd_short<float, 4>"  # not in these (two-kernel) artifacts
+    assert _loader.describe_source("sm_90", 13000, K1) == "packaged cubin drvsoftmax_sm_90.cubin"
+    d = _loader.describe_source("sm_90", 13000, other)
+    assert d.startswith("NVRTC") and "compiled on first use" in d and f"holding {other}" in d
+    assert _loader.describe_source("sm_89", _ptx_driver(folder), K2).startswith("packaged PTX drvsoftmax_compute_75")
+
+
+def test_info_lists_every_kernel_for_an_architecture():
+    r = subprocess.run([sys.executable, "-m", "drvsoftmax", "info", "--kernels", "--arch", "sm_86"],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT),
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    from drvsoftmax import _plan
+
+    listed = [ln.strip().split(": ", 1)[0] for ln in r.stdout.splitlines() if ln.startswith("  smx_")]
+    assert listed == _plan.all_kernel_names()
