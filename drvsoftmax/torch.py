@@ -146,11 +146,11 @@ def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
     if out is None:
         aligned = not (xp & 15)  # fresh allocations are 256-byte aligned
         okey = None
-    else:
-        aligned = not ((xp | out.data_ptr()) & 15)
+    else:  # (a non-tensor out is refused by the checks below, before any launch)
+        aligned = not ((xp | (out.data_ptr() if isinstance(out, Tensor) else 0)) & 15)
         okey = _meta(out)
     # The mask's pointer modulo 16 decides whether its rows can be read a chunk at a time.
-    mp = 0 if mask is None else mask.data_ptr()
+    mp = mask.data_ptr() if isinstance(mask, Tensor) else 0
     key = (x.dtype, x.shape, x.stride(), dev, aligned, type(scale), scale, type(causal), causal,
            _meta(mask), _meta(key_lengths), okey, mp & 15)
     prep = _prepared.get(key)
