@@ -315,3 +315,37 @@ def test_fuzz_arguments_never_escape_as_foreign_errors(xshape, mshape, mdtype, k
     assert tuple(y.shape) == xshape
     yn = np.asarray(y.float() if front == "torch" else y, dtype=np.float64)
     assert np.all(np.isnan(yn) | ((yn >= 0) & (yn <= 1)))
+
+
+class _CudaLike:
+    """Just enough of a CUDA tensor for the front door to reach its argument checks."""
+
+    is_cuda = True
+    dtype = torch.float16
+    shape = torch.Size(XSHAPE)
+    device = "cuda:0"
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return 0x10000
+
+    def stride(self):
+        return (60, 20, 5, 1)
+
+    def numel(self):
+        return 120
+
+
+@pytest.mark.parametrize("kw,exc,pattern", [
+    ({"mask": np.zeros(XSHAPE, dtype=bool)}, TypeError, r"^mask must be a torch\.Tensor like x.*got ndarray"),
+    ({"out": [0.0] * 120}, TypeError, r"^out must be a torch\.Tensor like x.*got list"),
+    ({"key_lengths": {0: 1}}, TypeError, r"^key_lengths must be a torch\.Tensor.*got dict"),
+])
+def test_cuda_call_with_foreign_arguments_fails_in_the_checks(kw, exc, pattern):
+    from drvsoftmax import torch as dtorch
+
+    args = {"mask": None, "scale": 1.0, "causal": False, "key_lengths": None, "out": None, "stream": None, **kw}
+    _check_raises(lambda: dtorch._forward_impl(_CudaLike(), args["mask"], args["scale"], args["causal"],
+                                               args["key_lengths"], args["out"], args["stream"]), exc, pattern)
