@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _compiler
-from ._errors import CudaDriverError, DrvSoftmaxError, KernelUnavailableError, check
+from ._errors import DrvSoftmaxError, KernelUnavailableError, check
 
 ARTIFACT_DIR = Path(__file__).resolve().parent / "_prebuilt"
 MANIFEST = "manifest.json"
@@ -244,4 +244,4 @@ def _cuda_str(v) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
-__all__ = ["find_kernel", "describe_source", "artifacts", "CudaDriverError"]
+__all__ = ["find_kernel", "describe_source", "artifacts"]

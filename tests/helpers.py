@@ -52,3 +52,23 @@ def assert_matches(got: np.ndarray, ref: np.ndarray, dtype: str, what: str = "")
         )
     zeros = ref == 0
     assert np.all(got[zeros] == 0), f"{what}: positions the reference holds at exactly 0 are not 0"
+
+
+def run_in_threads(work, n: int) -> list:
+    """Run work(0) .. work(n-1) in n threads at once; return the exceptions they raised."""
+    import threading
+
+    errors = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except Exception as e:  # collected for the caller's assertion
+            errors.append(e)
+
+    ts = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return errors

@@ -7,9 +7,8 @@ is replaced by fakes, so this runs without a GPU.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from helpers import run_in_threads
 
 from drvsoftmax import _core, _driver, _loader
 
@@ -90,22 +89,15 @@ def test_prepared_launches_are_keyed_by_device(fake_driver, monkeypatch):
 
 
 def test_devices_from_many_threads_at_once(fake_driver):
-    errors, got = [], []
+    got = []
 
     def work(i):
-        try:
-            for _ in range(50):
-                dev = _driver.device(i % 3)
-                got.append((i % 3, dev.kernel("smx_bwd_loop<float>")))
-        except Exception as e:  # reported below
-            errors.append(e)
+        for _ in range(50):
+            dev = _driver.device(i % 3)
+            got.append((i % 3, dev.kernel("smx_bwd_loop<float>")))
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(12)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors
+    errors = run_in_threads(work, 12)
+    assert not errors, errors
     assert {o for o, _ in got} == {0, 1, 2}
     assert len(_driver._devices) == 3
     # Each device looked the kernel up exactly once despite the race.

@@ -8,12 +8,11 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_matches, cuda_available, requires_cuda
+from helpers import assert_matches, cuda_available, requires_cuda, run_in_threads
 
 torch = pytest.importorskip("torch")
 import drvsoftmax  # noqa: E402
@@ -230,25 +229,18 @@ def test_long_producer_on_same_stream_needs_no_host_sync():
 def test_threads_without_a_current_context():
     x = _fresh((3, 5, 200))
     ref = _reference.softmax_forward(x.float().cpu().numpy(), None, 1.0)
-    results, errors = [], []
+    results = []
 
-    def work():
-        try:
-            for _ in range(20):
-                y = drvsoftmax.scaled_masked_softmax(x)   # NULL stream, fresh thread
-                s = torch.cuda.Stream()
-                y2 = drvsoftmax.scaled_masked_softmax(x, stream=s)
-                s.synchronize()
-                torch.cuda.synchronize()
-                results.append((y.float().cpu().numpy(), y2.float().cpu().numpy()))
-        except Exception as e:  # reported below
-            errors.append(e)
+    def work(_):
+        for _ in range(20):
+            y = drvsoftmax.scaled_masked_softmax(x)   # NULL stream, fresh thread
+            s = torch.cuda.Stream()
+            y2 = drvsoftmax.scaled_masked_softmax(x, stream=s)
+            s.synchronize()
+            torch.cuda.synchronize()
+            results.append((y.float().cpu().numpy(), y2.float().cpu().numpy()))
 
-    ts = [threading.Thread(target=work) for _ in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = run_in_threads(work, 4)
     assert not errors, errors
     for a, b in results:
         assert_matches(a, ref, "float16", "thread")
@@ -272,26 +264,17 @@ def test_tensor_on_another_device_than_current():
     assert_matches(y.detach().float().cpu().numpy(), ref, "float16", "cuda:1")
     assert gx.abs().max().item() < 1e-2  # d/dx of sum(softmax) is 0
 
-    errors = []
-
     def work(i):
-        try:
-            dev = i % 2
-            with torch.cuda.device(1 - dev):  # the other device is current
-                xi = _fresh((3, 5, 300)).to(f"cuda:{dev}")
-                for _ in range(10):
-                    yi = drvsoftmax.scaled_masked_softmax(xi, scale=0.5)
-                    torch.cuda.synchronize(dev)
-                    assert_matches(yi.float().cpu().numpy(),
-                                   _reference.softmax_forward(xi.float().cpu().numpy(), None, 0.5), "float16", "thr")
-        except Exception as e:  # reported below
-            errors.append(e)
+        dev = i % 2
+        with torch.cuda.device(1 - dev):  # the other device is current
+            xi = _fresh((3, 5, 300)).to(f"cuda:{dev}")
+            for _ in range(10):
+                yi = drvsoftmax.scaled_masked_softmax(xi, scale=0.5)
+                torch.cuda.synchronize(dev)
+                assert_matches(yi.float().cpu().numpy(),
+                               _reference.softmax_forward(xi.float().cpu().numpy(), None, 0.5), "float16", "thr")
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = run_in_threads(work, 4)
     assert not errors, errors
 
 
