@@ -79,7 +79,11 @@ def build(archs, ptx_archs, out: Path, names=None, jobs=None, verbose=False) -> 
                 entry["ptx_version"], entry["min_cuda"] = ptx_min_cuda(image)
             files[fname] = entry
             if verbose:
-                extra = f", PTX ISA {entry['ptx_version']}, needs CUDA driver >= {entry['min_cuda']}" if kind == "ptx" else ""
+                extra = (
+                    f", PTX ISA {entry['ptx_version']}, needs CUDA driver >= {entry['min_cuda']}"
+                    if kind == "ptx"
+                    else ""
+                )
                 print(f"  {fname}: {len(image):,} bytes, {len(lowered)} kernels, {secs:.1f} s{extra}")
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -105,8 +109,10 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     m = build(a.arch, a.ptx, a.out, a.kernels, a.jobs, a.verbose)
     total = sum(e["size"] for e in m["files"].values())
-    print(f"build_ptx: {len(m['files'])} files, {len(m['kernels'])} kernels each, {total:,} bytes, "
-          f"NVRTC {m['nvrtc']}, into {a.out} in {time.perf_counter() - t:.0f} s")
+    print(
+        f"build_ptx: {len(m['files'])} files, {len(m['kernels'])} kernels each, {total:,} bytes, "
+        f"NVRTC {m['nvrtc']}, into {a.out} in {time.perf_counter() - t:.0f} s"
+    )
     return 0
 
 

@@ -84,9 +84,11 @@ def main() -> int:
     with_out = res["drvsoftmax(x, scale, out=)"]
     launcher = res["part: _core.launch (pointers + cuLaunchKernel)"]
     launch = res["part: cuda.bindings cuLaunchKernel alone"]
-    print(f"split of drvsoftmax(x, scale), {ours:.2f} us: output allocation {ours - with_out:.2f}, "
-          f"front door (checks, cache key, stream) {with_out - launcher:.2f}, pointer packing "
-          f"{launcher - launch:.2f}, cuLaunchKernel {launch:.2f}")
+    print(
+        f"split of drvsoftmax(x, scale), {ours:.2f} us: output allocation {ours - with_out:.2f}, "
+        f"front door (checks, cache key, stream) {with_out - launcher:.2f}, pointer packing "
+        f"{launcher - launch:.2f}, cuLaunchKernel {launch:.2f}"
+    )
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "host_time.json").write_text(json.dumps({"shape": shape, "us_per_call": res}, indent=1))

@@ -60,8 +60,9 @@ print(json.dumps({"import_torch_s": t_torch, "first_call_s": t_first, "second_ca
 
 
 def run_child(artifacts: str, env: dict) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, artifacts], capture_output=True, text=True, env=env,
-                       cwd=str(ROOT), timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, artifacts], capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=900
+    )
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1][:300]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -91,8 +92,10 @@ def main() -> int:
         ("nvrtc-warm", str(empty), base),
     ]
     rows = []
-    print(f"{'path':11s} {'import torch':>12s} {'import->1st result':>19s} {'2nd call':>9s} {'NVRTC':>6s}  "
-          f"{'max err':>8s}  origin")
+    print(
+        f"{'path':11s} {'import torch':>12s} {'import->1st result':>19s} {'2nd call':>9s} {'NVRTC':>6s}  "
+        f"{'max err':>8s}  origin"
+    )
     for name, art, env in runs:
         r = run_child(art, env)
         r["path"] = name
@@ -100,8 +103,10 @@ def main() -> int:
         if "error" in r:
             print(f"{name:11s} ERROR {r['error']}")
             continue
-        print(f"{name:11s} {r['import_torch_s']:11.2f}s {r['first_call_s']:18.3f}s {r['second_call_s'] * 1e3:7.2f}ms "
-              f"{r['nvrtc_compiles']:6d}  {r['max_err']:8.1e}  {'; '.join(r['origins'])}")
+        print(
+            f"{name:11s} {r['import_torch_s']:11.2f}s {r['first_call_s']:18.3f}s {r['second_call_s'] * 1e3:7.2f}ms "
+            f"{r['nvrtc_compiles']:6d}  {r['max_err']:8.1e}  {'; '.join(r['origins'])}"
+        )
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "cold_start.json").write_text(json.dumps(rows, indent=1))

@@ -98,7 +98,8 @@ def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=
 
         return _cai.forward(x, mask, scale, causal, key_lengths, out, stream)
     raise _args.arg_type_error(
-        "x", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(x).__name__)
+        "x", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(x).__name__
+    )
 
 
 def scaled_masked_softmax_backward(dy, y, *, scale=1.0, out=None, stream=None):
@@ -117,7 +118,8 @@ def scaled_masked_softmax_backward(dy, y, *, scale=1.0, out=None, stream=None):
 
         return _cai.backward(dy, y, scale, out, stream)
     raise _args.arg_type_error(
-        "y", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(y).__name__)
+        "y", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(y).__name__
+    )
 
 
 def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward=False):
@@ -138,7 +140,7 @@ def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward
     for n in shape[:-1]:
         rows *= n
     itemsize = _plan.X_DTYPES[dtype][1]
-    contig = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    contig = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
     vec = _core._vector_ok(itemsize, [_core.Operand(0, dtype, shape, contig)], shape[:-1])
     if backward:
         return _plan.plan_backward(rows, shape[-1], dtype, vec).describe()
@@ -148,6 +150,7 @@ def explain(x_shape, dtype="float16", *, mask_dtype=None, causal=False, backward
 
 # ----------------------------------------------------------------------------------
 # NumPy: the reference path.
+
 
 def _np_dtype_name(a) -> str:
     return np.asarray(a).dtype.name
@@ -190,8 +193,9 @@ def _numpy_backward(dy, y, scale, out):
     if not isinstance(dy, np.ndarray):
         raise _args.arg_type_error("dy", "a numpy.ndarray like y", type(dy).__name__)
     if dy.shape != y.shape or dy.dtype != y.dtype:
-        raise _args.arg_value_error("dy", f"of y's shape {y.shape} and dtype {y.dtype}",
-                                    f"shape {dy.shape}, dtype {dy.dtype}")
+        raise _args.arg_value_error(
+            "dy", f"of y's shape {y.shape} and dtype {y.dtype}", f"shape {dy.shape}, dtype {dy.dtype}"
+        )
     if out is not None:
         if not isinstance(out, np.ndarray):
             raise _args.arg_type_error("out", "a numpy.ndarray like y (or None)", type(out).__name__)

@@ -25,8 +25,10 @@ def _version(mod: str) -> str:
 
 def info(list_kernels: bool = False, arch: str | None = None) -> int:
     print(f"drvsoftmax {drvsoftmax.__version__} (Python {platform.python_version()})")
-    print(f"cuda-bindings {_version('cuda-bindings')}, cuda-pathfinder {_version('cuda-pathfinder')}, "
-          f"numpy {np.__version__}, torch {_version('torch')}")
+    print(
+        f"cuda-bindings {_version('cuda-bindings')}, cuda-pathfinder {_version('cuda-pathfinder')}, "
+        f"numpy {np.__version__}, torch {_version('torch')}"
+    )
     print(f"NVRTC: {_compiler.nvrtc_version_str()}")
     print(f"kernel sources: {_compiler.source_dir()} (hash {_compiler.source_hash()[:16]})")
     print(f"kernels: {len(_plan.all_kernel_names())}")
@@ -59,8 +61,10 @@ def info(list_kernels: bool = False, arch: str | None = None) -> int:
     for i in range(n):
         dev = _driver.device(i)
         archs.append(dev.arch)
-        print(f"  device {i}: {dev.name}, {dev.arch}, {dev.sm_count} SMs; kernels load from: "
-              f"{_loader.describe_source(dev.arch, ver)}")
+        print(
+            f"  device {i}: {dev.name}, {dev.arch}, {dev.sm_count} SMs; kernels load from: "
+            f"{_loader.describe_source(dev.arch, ver)}"
+        )
     if list_kernels:
         _list_kernels(sorted(set(archs + ([arch] if arch else []))), ver)
     return 0
@@ -89,8 +93,10 @@ def demo(shape=(4, 12, 512, 512), iters=50) -> int:
         t = time.perf_counter()
         y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=True)
         dt = time.perf_counter() - t
-        print(f"scaled_masked_softmax{small} float32 (bool mask + causal) on the CPU: {dt * 1e3:.2f} ms; "
-              f"rows sum to 1: {np.allclose(y.sum(-1), 1, atol=1e-5)}")
+        print(
+            f"scaled_masked_softmax{small} float32 (bool mask + causal) on the CPU: {dt * 1e3:.2f} ms; "
+            f"rows sum to 1: {np.allclose(y.sum(-1), 1, atol=1e-5)}"
+        )
         return 0
     return run_demo(torch, torch.device("cuda"), shape, iters)
 
@@ -98,8 +104,10 @@ def demo(shape=(4, 12, 512, 512), iters=50) -> int:
 def run_demo(torch, dev, shape=(4, 12, 512, 512), iters=50, scale=1.0 / 8.0) -> int:
     """The attention-shaped check and timing on `dev` (the GPU; the CPU in tests)."""
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    print(f"{'GPU' if dev.type == 'cuda' else 'device'}: {name}; input {tuple(shape)} float16, "
-          f"bool mask [B,1,Sq,Sk], scale {scale}, causal")
+    print(
+        f"{'GPU' if dev.type == 'cuda' else 'device'}: {name}; input {tuple(shape)} float16, "
+        f"bool mask [B,1,Sq,Sk], scale {scale}, causal"
+    )
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=gen) * 3).to(dev, torch.float16)
     mask = (torch.rand((shape[0], 1, shape[2], shape[3]), generator=gen) < 0.1).to(dev)

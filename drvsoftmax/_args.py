@@ -13,8 +13,19 @@ FLT_MAX = 3.4028234663852886e38
 X_DTYPES_GPU = ("float16", "bfloat16", "float32")
 X_DTYPES_CPU = X_DTYPES_GPU + ("float64",)
 MASK_DTYPES = (
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "bfloat16", "float32", "float64",
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
 )
 INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 
@@ -43,7 +54,9 @@ def check_x(shape: tuple, dtype: str, allowed: tuple, where: str, name: str = "x
 
 def check_mask_dtype(dtype: str) -> None:
     if dtype not in MASK_DTYPES:
-        raise arg_type_error("mask", "bool, an integer dtype (nonzero hides) or a float dtype (added)", f"dtype {dtype}")
+        raise arg_type_error(
+            "mask", "bool, an integer dtype (nonzero hides) or a float dtype (added)", f"dtype {dtype}"
+        )
 
 
 def check_broadcast(mask_shape: tuple, x_shape: tuple) -> None:
@@ -66,7 +79,9 @@ def check_key_lengths(shape: tuple, dtype: str, x_shape: tuple, allowed=INT_DTYP
     if len(x_shape) < 2:
         raise arg_value_error("x", "at least 2-D [B, ..., Sk] when key_lengths is given", f"shape {tuple(x_shape)}")
     if tuple(shape) != (x_shape[0],):
-        raise arg_value_error("key_lengths", f"of shape [B] = ({x_shape[0]},) (B = x.shape[0])", f"shape {tuple(shape)}")
+        raise arg_value_error(
+            "key_lengths", f"of shape [B] = ({x_shape[0]},) (B = x.shape[0])", f"shape {tuple(shape)}"
+        )
 
 
 def check_out(shape: tuple, dtype: str, x_shape: tuple, x_dtype: str, like: str = "x") -> None:
@@ -79,7 +94,9 @@ def check_out(shape: tuple, dtype: str, x_shape: tuple, x_dtype: str, like: str 
 def check_out_strides(shape: tuple, strides: tuple, name: str = "out") -> None:
     for n, s in zip(shape, strides):
         if n > 1 and s == 0:
-            raise arg_value_error(name, "writable without overlap (no broadcast/expanded dims)", f"strides {tuple(strides)}")
+            raise arg_value_error(
+                name, "writable without overlap (no broadcast/expanded dims)", f"strides {tuple(strides)}"
+            )
 
 
 def stream_handle(stream) -> int:
@@ -111,6 +128,7 @@ def stream_handle(stream) -> int:
     except ImportError:
         pass
     raise arg_type_error(
-        "stream", "None, a CUstream, an int handle, a torch/CuPy/Numba stream or an object with __cuda_stream__",
+        "stream",
+        "None, a CUstream, an int handle, a torch/CuPy/Numba stream or an object with __cuda_stream__",
         type(stream).__name__,
     )

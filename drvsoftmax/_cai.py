@@ -15,9 +15,18 @@ from . import _args, _core, _driver
 from ._errors import arg_type_error, arg_value_error, check
 
 _TYPESTR = {
-    "f2": "float16", "f4": "float32", "f8": "float64",
-    "b1": "bool", "i1": "int8", "u1": "uint8", "i2": "int16", "u2": "uint16",
-    "i4": "int32", "u4": "uint32", "i8": "int64", "u8": "uint64",
+    "f2": "float16",
+    "f4": "float32",
+    "f8": "float64",
+    "b1": "bool",
+    "i1": "int8",
+    "u1": "uint8",
+    "i2": "int16",
+    "u2": "uint16",
+    "i4": "int32",
+    "u4": "uint32",
+    "i8": "int64",
+    "u8": "uint64",
 }
 
 
@@ -64,8 +73,10 @@ def _device_of(ptr: int, a) -> int:
     from cuda.bindings import driver
 
     _driver.init()
-    ordinal = check(driver.cuPointerGetAttribute(
-        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr), "cuPointerGetAttribute")
+    ordinal = check(
+        driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+        "cuPointerGetAttribute",
+    )
     return int(ordinal)
 
 
@@ -91,8 +102,11 @@ def _empty_like(a, op: _core.Operand):
         from numba import cuda
 
         return cuda.device_array(op.shape, dtype=np.dtype(op.dtype))
-    raise arg_type_error("out", "given for arrays of this library (drvsoftmax allocates only CuPy and Numba arrays)",
-                         f"out=None for a {type(a).__module__}.{type(a).__name__}")
+    raise arg_type_error(
+        "out",
+        "given for arrays of this library (drvsoftmax allocates only CuPy and Numba arrays)",
+        f"out=None for a {type(a).__module__}.{type(a).__name__}",
+    )
 
 
 def _check_same_device(name: str, op, a, dev: int):
@@ -118,8 +132,9 @@ def forward(x, mask, scale, causal, key_lengths, out, stream):
         _check_same_device("mask", mo, mask, dev)
     if key_lengths is not None:
         if not is_cai(key_lengths):
-            raise arg_type_error("key_lengths", "a CUDA array of int32/int64 of shape [B] (or None)",
-                                 type(key_lengths).__name__)
+            raise arg_type_error(
+                "key_lengths", "a CUDA array of int32/int64 of shape [B] (or None)", type(key_lengths).__name__
+            )
         ko, _ = _describe(key_lengths, "key_lengths")
         _args.check_key_lengths(ko.shape, ko.dtype, xo.shape, ("int32", "int64"))
         _check_same_device("key_lengths", ko, key_lengths, dev)
@@ -144,7 +159,9 @@ def backward(dy, y, scale, out, stream):
     do, _ = _describe(dy, "dy")
     _args.check_x(yo.shape, yo.dtype, _args.X_DTYPES_GPU, "on the GPU", "y")
     if do.shape != yo.shape or do.dtype != yo.dtype:
-        raise arg_value_error("dy", f"of y's shape {yo.shape} and dtype {yo.dtype}", f"shape {do.shape}, dtype {do.dtype}")
+        raise arg_value_error(
+            "dy", f"of y's shape {yo.shape} and dtype {yo.dtype}", f"shape {do.shape}, dtype {do.dtype}"
+        )
     dev = _device_of(yo.ptr, y)
     if out is None:
         out = _empty_like(y, yo)

@@ -87,10 +87,10 @@ def parse_arch(arch: str) -> tuple[str, int]:
 
 @dataclass
 class CompiledImage:
-    arch: str                  # 'sm_90' (cubin) or 'compute_90' (PTX)
-    image: bytes               # cubin or PTX text (NUL-terminated for the driver)
-    lowered: dict[str, str]    # name expression -> mangled symbol
-    nvrtc: str                 # 'major.minor'
+    arch: str  # 'sm_90' (cubin) or 'compute_90' (PTX)
+    image: bytes  # cubin or PTX text (NUL-terminated for the driver)
+    lowered: dict[str, str]  # name expression -> mangled symbol
+    nvrtc: str  # 'major.minor'
     log: str
 
 
@@ -148,6 +148,7 @@ def compile_kernels(arch: str, names: list[str] | None = None) -> CompiledImage:
 
 # ----------------------------------------------------------------------------------
 # Disk cache of run-time compiled cubins.
+
 
 def cache_dir() -> Path:
     env = os.environ.get("DRVSOFTMAX_CACHE_DIR")

@@ -16,8 +16,8 @@ from typing import NamedTuple
 from . import _plan
 from ._errors import arg_type_error, arg_value_error, check
 
-MAXD = 6   # SMX_MAXD in cuda_src/softmax_common.cuh
-NOP = 5    # SMX_NOP
+MAXD = 6  # SMX_MAXD in cuda_src/softmax_common.cuh
+NOP = 5  # SMX_NOP
 # struct FwdParams / BwdParams of cuda_src, field for field (checked by the GPU tests).
 _GEOM = "q6q30q6I6Iii"
 FWD_STRUCT = struct.Struct("<" + _GEOM + "4qifii")
@@ -26,16 +26,34 @@ F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC = 1, 2, 4, 8, 16
 MAX_SK = 2**31 - 1  # row-internal indices are 32-bit in the kernels
 
 MASK_KIND_OF_DTYPE = {
-    "bool": "hide1", "int8": "hide1", "uint8": "hide1",
-    "int16": "hide2", "uint16": "hide2",
-    "int32": "hide4", "uint32": "hide4",
-    "int64": "hide8", "uint64": "hide8",
-    "float16": "add_float16", "bfloat16": "add_bfloat16",
-    "float32": "add_float32", "float64": "add_float64",
+    "bool": "hide1",
+    "int8": "hide1",
+    "uint8": "hide1",
+    "int16": "hide2",
+    "uint16": "hide2",
+    "int32": "hide4",
+    "uint32": "hide4",
+    "int64": "hide8",
+    "uint64": "hide8",
+    "float16": "add_float16",
+    "bfloat16": "add_bfloat16",
+    "float32": "add_float32",
+    "float64": "add_float64",
 }
 MASK_ITEMSIZE = {
-    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
 }
 KLEN_DTYPES = ("int32", "int64")
 
@@ -51,6 +69,7 @@ class Operand(NamedTuple):
 
 # ----------------------------------------------------------------------------------
 # Shapes and strides (pure; tested on the CPU).
+
 
 def broadcast_strides(name: str, shape: tuple, strides: tuple, target: tuple) -> tuple:
     """Strides of an array of `shape` broadcast to `target` (0 along broadcast dims)."""
@@ -142,6 +161,7 @@ def mask_alignment(mask_dtype: str, x_dtype: str) -> int:
 # ----------------------------------------------------------------------------------
 # Prepared launches.
 
+
 class Prepared:
     """Everything of one launch but the pointers and the stream."""
 
@@ -186,8 +206,17 @@ def check_forward(x: Operand, y: Operand, mask: Operand | None, klen: Operand | 
         raise arg_type_error("key_lengths", "int32 or int64 on the GPU", f"dtype {klen.dtype}")
 
 
-def prepare_forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None,
-                    causal: bool, scale: float, aligned: bool, mask_aligned: bool = False) -> Prepared:
+def prepare_forward(
+    dev,
+    x: Operand,
+    y: Operand,
+    mask: Operand | None,
+    klen: Operand | None,
+    causal: bool,
+    scale: float,
+    aligned: bool,
+    mask_aligned: bool = False,
+) -> Prepared:
     """`aligned`: x and y are 16-byte aligned; `mask_aligned`: the mask pointer is
     aligned to `mask_alignment(...)` bytes."""
     shape = tuple(x.shape)
@@ -229,8 +258,14 @@ def prepare_forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Ope
     plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec)
     packed = FWD_STRUCT.pack(
         *_geom_fields(rows, sizes, strides),
-        x.strides[-1], y.strides[-1], sm, shift,
-        sk, scale, flags, plan.tpr_log2,
+        x.strides[-1],
+        y.strides[-1],
+        sm,
+        shift,
+        sk,
+        scale,
+        flags,
+        plan.tpr_log2,
     )
     return Prepared(dev, plan, packed, 5)
 
@@ -243,14 +278,20 @@ def prepare_backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, al
     plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec)
     packed = BWD_STRUCT.pack(
         *_geom_fields(rows, sizes, strides),
-        dy.strides[-1], y.strides[-1], dx.strides[-1],
-        shape[-1], scale, F_VEC if vec else 0, plan.tpr_log2,
+        dy.strides[-1],
+        y.strides[-1],
+        dx.strides[-1],
+        shape[-1],
+        scale,
+        F_VEC if vec else 0,
+        plan.tpr_log2,
     )
     return Prepared(dev, plan, packed, 4)
 
 
 # ----------------------------------------------------------------------------------
 # Launching.
+
 
 class _ThreadArgs(threading.local):
     """Per-thread argument slots: the driver copies them at launch, so they are reused."""
@@ -304,7 +345,9 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
         argv_addr = a.argv4_addr
     drv = _drv or _load_driver()
     if stream > 2 or ctx_ok:
-        err = drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0)[0]
+        err = drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0)[
+            0
+        ]
         if not err:
             return
         if stream > 2 or int(err) != _INVALID_CONTEXT:
@@ -341,17 +384,37 @@ def _launch_in_context(prep: Prepared, argv_addr: int, stream: int) -> None:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
-def forward(dev, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None,
-            causal: bool, scale: float, stream: int, ctx_ok: bool | None = None) -> None:
+def forward(
+    dev,
+    x: Operand,
+    y: Operand,
+    mask: Operand | None,
+    klen: Operand | None,
+    causal: bool,
+    scale: float,
+    stream: int,
+    ctx_ok: bool | None = None,
+) -> None:
     """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
     aligned = not ((x.ptr | y.ptr) & 15)
-    maligned = mask is not None and x.dtype in _plan.X_DTYPES and mask.dtype in MASK_ITEMSIZE and \
-        not mask.ptr % mask_alignment(mask.dtype, x.dtype)
+    maligned = (
+        mask is not None
+        and x.dtype in _plan.X_DTYPES
+        and mask.dtype in MASK_ITEMSIZE
+        and not mask.ptr % mask_alignment(mask.dtype, x.dtype)
+    )
     key = (
-        dev.ordinal, x.dtype, x.shape, x.strides, y.strides,
+        dev.ordinal,
+        x.dtype,
+        x.shape,
+        x.strides,
+        y.strides,
         mask[1:] if mask is not None else None,
         klen[1:] if klen is not None else None,
-        causal, scale, aligned, maligned,
+        causal,
+        scale,
+        aligned,
+        maligned,
     )
     prep = _cache.get(key)
     if prep is None:

@@ -31,15 +31,15 @@ MASK_KINDS = {
     "add_float64": "MaskAdd<double>",
 }
 
-CHUNK_BYTES = 16          # one vector access
-REG_VALUES = 32           # fp32 values of row data one thread holds (forward)
-BWD_VALUES = 16           # backward holds y and dy: 16 values of each
-MAX_TPR = 1024            # threads per row of the register tier (one block)
-SHORT_CHUNKS = 32         # rows of at most this many chunks take the short tier
-SHORT_BLOCK = 128         # block of the short tier
-SHORT_ROWS = 4            # rows per thread in flight in the short tier (forward)
-LOOP_THREADS = 1024       # block size of the looped tier
-MIN_BLOCK = 128           # register-tier blocks hold at least this many threads
+CHUNK_BYTES = 16  # one vector access
+REG_VALUES = 32  # fp32 values of row data one thread holds (forward)
+BWD_VALUES = 16  # backward holds y and dy: 16 values of each
+MAX_TPR = 1024  # threads per row of the register tier (one block)
+SHORT_CHUNKS = 32  # rows of at most this many chunks take the short tier
+SHORT_BLOCK = 128  # block of the short tier
+SHORT_ROWS = 4  # rows per thread in flight in the short tier (forward)
+LOOP_THREADS = 1024  # block size of the looped tier
+MIN_BLOCK = 128  # register-tier blocks hold at least this many threads
 # Blocks per launch at most; beyond it the kernels loop over rows with a grid stride
 # (65535 blocks of >= 128 threads are far more than the largest GPU holds at once).
 MAX_GRID = 65535
@@ -100,15 +100,15 @@ def all_kernel_names() -> list[str]:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    kernel: str      # name expression of the kernel
-    tier: str        # "short", "register" or "loop"
+    kernel: str  # name expression of the kernel
+    tier: str  # "short", "register" or "loop"
     grid: int
     block: int
-    tpr_log2: int    # log2(threads per row); for the loop tier log2(block)
-    nch: int         # chunks per thread and row (1 short, n register, 0 loop)
-    rpt: int         # rows per thread at once (n short, 1 otherwise)
-    vector: bool     # 16-byte accesses
-    reason: str      # which tier row chose it
+    tpr_log2: int  # log2(threads per row); for the loop tier log2(block)
+    nch: int  # chunks per thread and row (1 short, n register, 0 loop)
+    rpt: int  # rows per thread at once (n short, 1 otherwise)
+    vector: bool  # 16-byte accesses
+    reason: str  # which tier row chose it
 
     def describe(self) -> str:
         return (

@@ -23,7 +23,7 @@ def is_float_dtype(dt: np.dtype) -> bool:
 def _fit(a, ndim: int) -> np.ndarray:
     """Drop leading size-1 dims beyond `ndim` (legal under broadcasting to x's shape)."""
     a = np.asarray(a)
-    return a.reshape(a.shape[a.ndim - ndim:]) if a.ndim > ndim else a
+    return a.reshape(a.shape[a.ndim - ndim :]) if a.ndim > ndim else a
 
 
 def hidden_positions(shape, mask=None, causal=False, key_lengths=None):

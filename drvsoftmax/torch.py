@@ -55,6 +55,7 @@ def _stream_handle(stream, dev: int) -> int:
 # ----------------------------------------------------------------------------------
 # Implementations without autograd: CUDA kernel and CPU reference.
 
+
 def _check_common(x, mask, scale, causal, key_lengths, out, on_gpu: bool):
     scale = _args.check_scale(scale)
     causal = _args.check_causal(causal)
@@ -70,12 +71,17 @@ def _check_common(x, mask, scale, causal, key_lengths, out, on_gpu: bool):
         _args.check_broadcast(tuple(mask.shape), tuple(x.shape))
     if key_lengths is not None:
         if not isinstance(key_lengths, Tensor):
-            raise arg_type_error("key_lengths", "a torch.Tensor of integers of shape [B] (or None)",
-                                 type(key_lengths).__name__)
+            raise arg_type_error(
+                "key_lengths", "a torch.Tensor of integers of shape [B] (or None)", type(key_lengths).__name__
+            )
         if key_lengths.device != x.device:
             raise arg_value_error("key_lengths", f"on x's device {x.device}", f"device {key_lengths.device}")
-        _args.check_key_lengths(tuple(key_lengths.shape), _dtname(key_lengths), tuple(x.shape),
-                                _args.INT_DTYPES if not on_gpu else ("int32", "int64"))
+        _args.check_key_lengths(
+            tuple(key_lengths.shape),
+            _dtname(key_lengths),
+            tuple(x.shape),
+            _args.INT_DTYPES if not on_gpu else ("int32", "int64"),
+        )
     if out is not None:
         if not isinstance(out, Tensor):
             raise arg_type_error("out", "a torch.Tensor like x (or None)", type(out).__name__)
@@ -95,7 +101,10 @@ def _to_np(t: Tensor):
 
 def _cpu_forward(x, mask, scale, causal, key_lengths, out):
     y = _reference.softmax_forward(
-        _to_np(x), None if mask is None else _to_np(mask), scale, causal,
+        _to_np(x),
+        None if mask is None else _to_np(mask),
+        scale,
+        causal,
         None if key_lengths is None else _to_np(key_lengths),
     )
     dst = out if out is not None else torch.empty_like(x)  # the same layout as on the GPU
@@ -151,12 +160,30 @@ def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
         okey = _meta(out)
     # The mask's pointer modulo 16 decides whether its rows can be read a chunk at a time.
     mp = mask.data_ptr() if isinstance(mask, Tensor) else 0
-    key = (x.dtype, x.shape, x.stride(), dev, aligned, type(scale), scale, type(causal), causal,
-           _meta(mask), _meta(key_lengths), okey, mp & 15)
+    key = (
+        x.dtype,
+        x.shape,
+        x.stride(),
+        dev,
+        aligned,
+        type(scale),
+        scale,
+        type(causal),
+        causal,
+        _meta(mask),
+        _meta(key_lengths),
+        okey,
+        mp & 15,
+    )
     prep = _prepared.get(key)
     if prep is None:
-        maligned = mask is not None and isinstance(mask, Tensor) and _dtname(mask) in _core.MASK_ITEMSIZE and \
-            _dtname(x) in _args.X_DTYPES_GPU and not mp % _core.mask_alignment(_dtname(mask), _dtname(x))
+        maligned = (
+            mask is not None
+            and isinstance(mask, Tensor)
+            and _dtname(mask) in _core.MASK_ITEMSIZE
+            and _dtname(x) in _args.X_DTYPES_GPU
+            and not mp % _core.mask_alignment(_dtname(mask), _dtname(x))
+        )
         prep = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned, maligned))
     # empty_like keeps x's layout when x is dense (else contiguous): a function of x's
     # shape and strides, so the prepared launch (which knows y's strides) stays valid.
@@ -169,8 +196,7 @@ def _forward_impl(x, mask, scale, causal, key_lengths, out, stream):
     else:
         s = _stream_handle(stream, dev)
         ctx_ok = None
-    _core.launch(prep, xp, y.data_ptr(), mp,
-                 0 if key_lengths is None else key_lengths.data_ptr(), s, ctx_ok)
+    _core.launch(prep, xp, y.data_ptr(), mp, 0 if key_lengths is None else key_lengths.data_ptr(), s, ctx_ok)
     return y
 
 
@@ -182,13 +208,19 @@ def _check_backward(dy, y, scale, out):
     if not isinstance(dy, Tensor):
         raise arg_type_error("dy", "a torch.Tensor like y", type(dy).__name__)
     on_gpu = y.is_cuda
-    _args.check_x(tuple(y.shape), _dtname(y), _args.X_DTYPES_GPU if on_gpu else _args.X_DTYPES_CPU,
-                  "on the GPU" if on_gpu else "on the CPU path", "y")
+    _args.check_x(
+        tuple(y.shape),
+        _dtname(y),
+        _args.X_DTYPES_GPU if on_gpu else _args.X_DTYPES_CPU,
+        "on the GPU" if on_gpu else "on the CPU path",
+        "y",
+    )
     if dy.device != y.device:
         raise arg_value_error("dy", f"on y's device {y.device}", f"device {dy.device}")
     if tuple(dy.shape) != tuple(y.shape) or dy.dtype != y.dtype:
-        raise arg_value_error("dy", f"of y's shape {tuple(y.shape)} and dtype {y.dtype}",
-                              f"shape {tuple(dy.shape)}, dtype {dy.dtype}")
+        raise arg_value_error(
+            "dy", f"of y's shape {tuple(y.shape)} and dtype {y.dtype}", f"shape {tuple(dy.shape)}, dtype {dy.dtype}"
+        )
     if out is not None:
         if not isinstance(out, Tensor):
             raise arg_type_error("out", "a torch.Tensor like y (or None)", type(out).__name__)
@@ -222,7 +254,7 @@ def _backward_impl(dy, y, scale, out, stream):
 def _mask_grad(g: Tensor, mask: Tensor) -> Tensor:
     """dL/dmask: g summed over the dims mask was broadcast along."""
     shape = tuple(mask.shape)
-    core = shape[max(0, len(shape) - g.dim()):]
+    core = shape[max(0, len(shape) - g.dim()) :]
     acc = torch.promote_types(g.dtype, torch.float32)  # sum 16-bit gradients in fp32
     return g.to(acc).sum_to_size(core).reshape(shape).to(mask.dtype)
 
@@ -242,6 +274,7 @@ def _grads(gy, y, mask, scale, need_x, need_mask, bwd):
 # ----------------------------------------------------------------------------------
 # Eager autograd.
 
+
 class _SoftmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mask, scale, causal, key_lengths, stream):
@@ -259,8 +292,10 @@ class _SoftmaxFn(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             bwd = torch.ops.drvsoftmax.scaled_masked_softmax_backward
         else:
+
             def bwd(a, b, s):
                 return _backward_impl(a, b, s, None, ctx.stream)
+
         dx, dmask = _grads(gy, y, mask, ctx.scale, ctx.needs_input_grad[0], need_mask, bwd)
         return dx, dmask, None, None, None, None
 
@@ -268,9 +303,9 @@ class _SoftmaxFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------------
 # torch.library ops (torch.compile, torch.export, opcheck).
 
+
 @torch.library.custom_op("drvsoftmax::scaled_masked_softmax", mutates_args=())
-def _op_forward(x: Tensor, mask: Tensor | None, scale: float, causal: bool,
-                key_lengths: Tensor | None) -> Tensor:
+def _op_forward(x: Tensor, mask: Tensor | None, scale: float, causal: bool, key_lengths: Tensor | None) -> Tensor:
     return _forward_impl(x, mask, scale, causal, key_lengths, None, None)
 
 
@@ -299,8 +334,9 @@ def _op_setup(ctx, inputs, output):
 def _op_grad(ctx, gy):
     y, mask = ctx.saved_tensors
     need_mask = ctx.mask_float and ctx.needs_input_grad[1]
-    dx, dmask = _grads(gy, y, mask, ctx.scale, ctx.needs_input_grad[0], need_mask,
-                       torch.ops.drvsoftmax.scaled_masked_softmax_backward)
+    dx, dmask = _grads(
+        gy, y, mask, ctx.scale, ctx.needs_input_grad[0], need_mask, torch.ops.drvsoftmax.scaled_masked_softmax_backward
+    )
     return dx, dmask, None, None, None
 
 
@@ -342,8 +378,9 @@ def _as_lengths(key_lengths, x):
         return key_lengths
     if isinstance(key_lengths, (list, tuple, np.ndarray)):
         return torch.as_tensor(np.asarray(key_lengths), device=x.device)
-    raise arg_type_error("key_lengths", "a tensor, list or array of integers of shape [B] (or None)",
-                         type(key_lengths).__name__)
+    raise arg_type_error(
+        "key_lengths", "a tensor, list or array of integers of shape [B] (or None)", type(key_lengths).__name__
+    )
 
 
 def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, out=None, stream=None):
@@ -358,8 +395,9 @@ def scaled_masked_softmax(x, mask=None, *, scale=1.0, causal=False, key_lengths=
         return y
     if torch.is_grad_enabled() and (x.requires_grad or (isinstance(mask, Tensor) and mask.requires_grad)):
         if out is not None:
-            raise arg_value_error("out", "None when x or mask requires grad (out= cannot be differentiated)",
-                                  "a tensor")
+            raise arg_value_error(
+                "out", "None when x or mask requires grad (out= cannot be differentiated)", "a tensor"
+            )
         return _SoftmaxFn.apply(x, mask, scale, causal, key_lengths, stream)
     return _forward_impl(x, mask, scale, causal, key_lengths, out, stream)
 

@@ -29,7 +29,7 @@ def batch(device):
     g = torch.Generator().manual_seed(123)
     x = torch.randn(B, S, D, generator=g)
     pad = torch.zeros(B, 1, 1, S, dtype=torch.bool)
-    pad[1::2, ..., S - 5:] = True
+    pad[1::2, ..., S - 5 :] = True
     return x.to(device), pad.to(device)
 
 

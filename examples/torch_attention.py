@@ -27,7 +27,7 @@ class Attention(torch.nn.Module):
     def forward(self, x, padding_mask=None, bias=None):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.dh).permute(2, 0, 3, 1, 4)
-        scores = q @ k.transpose(-1, -2)                   # [B, H, S, S]
+        scores = q @ k.transpose(-1, -2)  # [B, H, S, S]
         # A learned additive bias, or a bool padding mask (True = hidden).
         p = self.softmax(scores, bias if bias is not None else padding_mask)
         return self.proj((p @ v).transpose(1, 2).reshape(b, s, d))
@@ -51,10 +51,13 @@ def run(device: str = "cpu", compile: bool = False, seed: int = 0) -> float:
     model = Attention().to(device)
     x = torch.randn(2, 16, 64, device=device, requires_grad=True)
     pad = torch.zeros(2, 1, 1, 16, dtype=torch.bool, device=device)
-    pad[1, ..., 12:] = True                                # last keys of batch 1 are padding
+    pad[1, ..., 12:] = True  # last keys of batch 1 are padding
     bias = torch.randn(1, 4, 16, 16, device=device, requires_grad=True)
-    fn = torch.compile(model, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager") \
-        if compile else model
+    fn = (
+        torch.compile(model, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+        if compile
+        else model
+    )
     worst = 0.0
     for kwargs in ({"padding_mask": pad}, {"bias": bias}):
         out = fn(x, **kwargs)
@@ -73,8 +76,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     err = run(a.device, a.compile)
-    print(f"attention block on {a.device}{' (compiled)' if a.compile else ''}: "
-          f"max |drvsoftmax - PyTorch| over outputs and gradients = {err:.2e}")
+    print(
+        f"attention block on {a.device}{' (compiled)' if a.compile else ''}: "
+        f"max |drvsoftmax - PyTorch| over outputs and gradients = {err:.2e}"
+    )
     if err > 1e-4:
         raise SystemExit("mismatch")
 

@@ -23,10 +23,19 @@ torch = pytest.importorskip("torch")
 
 FRONTS = ["numpy", "torch"]
 XSHAPE = (2, 3, 4, 5)
-_NP_TO_TORCH = {np.bool_: torch.bool, np.uint8: torch.uint8, np.int8: torch.int8, np.int16: torch.int16,
-                np.int32: torch.int32, np.int64: torch.int64, np.float16: torch.float16,
-                np.float32: torch.float32, np.float64: torch.float64, np.complex64: torch.complex64,
-                np.complex128: torch.complex128}
+_NP_TO_TORCH = {
+    np.bool_: torch.bool,
+    np.uint8: torch.uint8,
+    np.int8: torch.int8,
+    np.int16: torch.int16,
+    np.int32: torch.int32,
+    np.int64: torch.int64,
+    np.float16: torch.float16,
+    np.float32: torch.float32,
+    np.float64: torch.float64,
+    np.complex64: torch.complex64,
+    np.complex128: torch.complex128,
+}
 
 
 def arr(front, shape, dtype=np.float32, fill=None):
@@ -67,37 +76,90 @@ CASES = [
     ("x_bool", lambda f: _fwd(f, arr(f, XSHAPE, np.bool_)), TypeE, r"^x must be of dtype .*got dtype bool"),
     ("x_complex", lambda f: _fwd(f, arr(f, XSHAPE, np.complex64)), TypeE, r"^x must be of dtype .*got dtype complex64"),
     # mask
-    ("mask_complex", lambda f: _fwd(f, mask=arr(f, XSHAPE[-2:], np.complex128)), TypeE,
-     r"^mask must be bool, an integer dtype .*got dtype complex128"),
-    ("mask_list", lambda f: _fwd(f, mask=[0, 0, 0, 0, 1]), TypeE, r"^mask must be a (numpy\.ndarray|torch\.Tensor).*got list"),
-    ("mask_other_framework", lambda f: _fwd(f, mask=arr("torch" if f == "numpy" else "numpy", (5,))), TypeE,
-     r"^mask must be a (numpy\.ndarray|torch\.Tensor).*got (Tensor|ndarray)"),
-    ("mask_not_broadcastable", lambda f: _fwd(f, mask=arr(f, (3, 5), np.bool_)), ValueE,
-     r"^mask must be broadcastable to x\.shape \(2, 3, 4, 5\), got shape \(3, 5\)"),
-    ("mask_wrong_last_dim", lambda f: _fwd(f, mask=arr(f, (4, 6))), ValueE,
-     r"^mask must be broadcastable to x\.shape \(2, 3, 4, 5\), got shape \(4, 6\)"),
-    ("mask_extra_leading_dim", lambda f: _fwd(f, mask=arr(f, (2, 2, 3, 4, 5), np.uint8)), ValueE,
-     r"^mask must be broadcastable to x\.shape \(2, 3, 4, 5\), got shape \(2, 2, 3, 4, 5\)"),
+    (
+        "mask_complex",
+        lambda f: _fwd(f, mask=arr(f, XSHAPE[-2:], np.complex128)),
+        TypeE,
+        r"^mask must be bool, an integer dtype .*got dtype complex128",
+    ),
+    (
+        "mask_list",
+        lambda f: _fwd(f, mask=[0, 0, 0, 0, 1]),
+        TypeE,
+        r"^mask must be a (numpy\.ndarray|torch\.Tensor).*got list",
+    ),
+    (
+        "mask_other_framework",
+        lambda f: _fwd(f, mask=arr("torch" if f == "numpy" else "numpy", (5,))),
+        TypeE,
+        r"^mask must be a (numpy\.ndarray|torch\.Tensor).*got (Tensor|ndarray)",
+    ),
+    (
+        "mask_not_broadcastable",
+        lambda f: _fwd(f, mask=arr(f, (3, 5), np.bool_)),
+        ValueE,
+        r"^mask must be broadcastable to x\.shape \(2, 3, 4, 5\), got shape \(3, 5\)",
+    ),
+    (
+        "mask_wrong_last_dim",
+        lambda f: _fwd(f, mask=arr(f, (4, 6))),
+        ValueE,
+        r"^mask must be broadcastable to x\.shape \(2, 3, 4, 5\), got shape \(4, 6\)",
+    ),
+    (
+        "mask_extra_leading_dim",
+        lambda f: _fwd(f, mask=arr(f, (2, 2, 3, 4, 5), np.uint8)),
+        ValueE,
+        r"^mask must be broadcastable to x\.shape \(2, 3, 4, 5\), got shape \(2, 2, 3, 4, 5\)",
+    ),
     # causal
     ("causal_str", lambda f: _fwd(f, causal="yes"), TypeE, r"^causal must be a bool, got str 'yes'"),
     ("causal_float", lambda f: _fwd(f, causal=1.5), TypeE, r"^causal must be a bool, got float 1\.5"),
     ("causal_none", lambda f: _fwd(f, causal=None), TypeE, r"^causal must be a bool, got NoneType None"),
     ("causal_int", lambda f: _fwd(f, causal=1), TypeE, r"^causal must be a bool, got int 1"),
-    ("causal_1d_x", lambda f: _fwd(f, arr(f, (5,)), causal=True), ValueE,
-     r"^x must be at least 2-D .*causal=True.*got shape \(5,\)"),
+    (
+        "causal_1d_x",
+        lambda f: _fwd(f, arr(f, (5,)), causal=True),
+        ValueE,
+        r"^x must be at least 2-D .*causal=True.*got shape \(5,\)",
+    ),
     # key_lengths
-    ("klen_wrong_len", lambda f: _fwd(f, key_lengths=_klen(f, [1, 2, 3])), ValueE,
-     r"^key_lengths must be of shape \[B\] = \(2,\).*got shape \(3,\)"),
-    ("klen_2d", lambda f: _fwd(f, key_lengths=_klen(f, [1, 2]).reshape(2, 1)), ValueE,
-     r"^key_lengths must be of shape \[B\].*got shape \(2, 1\)"),
-    ("klen_0d", lambda f: _fwd(f, key_lengths=_klen(f, [3]).reshape(())), ValueE,
-     r"^key_lengths must be of shape \[B\].*got shape \(\)"),
-    ("klen_float", lambda f: _fwd(f, key_lengths=arr(f, (2,), np.float32, 3.0)), TypeE,
-     r"^key_lengths must be of an integer dtype .*got dtype float32"),
-    ("klen_bool", lambda f: _fwd(f, key_lengths=arr(f, (2,), np.bool_, True)), TypeE,
-     r"^key_lengths must be of an integer dtype .*got dtype bool"),
-    ("klen_1d_x", lambda f: _fwd(f, arr(f, (5,)), key_lengths=_klen(f, [3])), ValueE,
-     r"^x must be at least 2-D .*key_lengths.*got shape \(5,\)"),
+    (
+        "klen_wrong_len",
+        lambda f: _fwd(f, key_lengths=_klen(f, [1, 2, 3])),
+        ValueE,
+        r"^key_lengths must be of shape \[B\] = \(2,\).*got shape \(3,\)",
+    ),
+    (
+        "klen_2d",
+        lambda f: _fwd(f, key_lengths=_klen(f, [1, 2]).reshape(2, 1)),
+        ValueE,
+        r"^key_lengths must be of shape \[B\].*got shape \(2, 1\)",
+    ),
+    (
+        "klen_0d",
+        lambda f: _fwd(f, key_lengths=_klen(f, [3]).reshape(())),
+        ValueE,
+        r"^key_lengths must be of shape \[B\].*got shape \(\)",
+    ),
+    (
+        "klen_float",
+        lambda f: _fwd(f, key_lengths=arr(f, (2,), np.float32, 3.0)),
+        TypeE,
+        r"^key_lengths must be of an integer dtype .*got dtype float32",
+    ),
+    (
+        "klen_bool",
+        lambda f: _fwd(f, key_lengths=arr(f, (2,), np.bool_, True)),
+        TypeE,
+        r"^key_lengths must be of an integer dtype .*got dtype bool",
+    ),
+    (
+        "klen_1d_x",
+        lambda f: _fwd(f, arr(f, (5,)), key_lengths=_klen(f, [3])),
+        ValueE,
+        r"^x must be at least 2-D .*key_lengths.*got shape \(5,\)",
+    ),
     # scale
     ("scale_str", lambda f: _fwd(f, scale="0.5"), TypeE, r"^scale must be a real number, got str '0\.5'"),
     ("scale_none", lambda f: _fwd(f, scale=None), TypeE, r"^scale must be a real number, got NoneType None"),
@@ -109,30 +171,71 @@ CASES = [
     ("scale_1e39", lambda f: _fwd(f, scale=1e39), ValueE, r"^scale must be a finite float within float32.*got 1e\+39"),
     ("scale_np_nan", lambda f: _fwd(f, scale=np.float64("nan")), ValueE, r"^scale must be a finite float.*got .*nan"),
     # out
-    ("out_shape", lambda f: _fwd(f, out=arr(f, (2, 3, 4, 6))), ValueE,
-     r"^out must be of x's shape \(2, 3, 4, 5\), got shape \(2, 3, 4, 6\)"),
-    ("out_dtype", lambda f: _fwd(f, out=arr(f, XSHAPE, np.float64)), TypeE,
-     r"^out must be of x's dtype float32, got dtype float64"),
+    (
+        "out_shape",
+        lambda f: _fwd(f, out=arr(f, (2, 3, 4, 6))),
+        ValueE,
+        r"^out must be of x's shape \(2, 3, 4, 5\), got shape \(2, 3, 4, 6\)",
+    ),
+    (
+        "out_dtype",
+        lambda f: _fwd(f, out=arr(f, XSHAPE, np.float64)),
+        TypeE,
+        r"^out must be of x's dtype float32, got dtype float64",
+    ),
     ("out_list", lambda f: _fwd(f, out=[0.0] * 5), TypeE, r"^out must be a (numpy\.ndarray|torch\.Tensor).*got list"),
     # backward
-    ("bwd_y_list", lambda f: lambda: drvsoftmax.scaled_masked_softmax_backward(arr(f, XSHAPE), [1.0]), TypeE,
-     r"^y must be .*got list"),
-    ("bwd_dy_list", lambda f: _bwd(f, dy=[1.0]), TypeE, r"^dy must be a (numpy\.ndarray|torch\.Tensor) like y, got list"),
-    ("bwd_dy_other_framework", lambda f: _bwd(f, dy=arr("torch" if f == "numpy" else "numpy", XSHAPE)), TypeE,
-     r"^dy must be a (numpy\.ndarray|torch\.Tensor) like y, got (Tensor|ndarray)"),
-    ("bwd_dy_shape", lambda f: _bwd(f, dy=arr(f, (2, 3, 4, 6))), ValueE,
-     r"^dy must be of y's shape \(2, 3, 4, 5\).*got shape \(2, 3, 4, 6\)"),
-    ("bwd_dy_broadcastable_shape", lambda f: _bwd(f, dy=arr(f, (1, 3, 4, 5))), ValueE,
-     r"^dy must be of y's shape \(2, 3, 4, 5\).*got shape \(1, 3, 4, 5\)"),
-    ("bwd_dy_dtype", lambda f: _bwd(f, dy=arr(f, XSHAPE, np.float16)), ValueE,
-     r"^dy must be of y's shape .* and dtype .*float32.*got .*dtype .*float16"),
+    (
+        "bwd_y_list",
+        lambda f: lambda: drvsoftmax.scaled_masked_softmax_backward(arr(f, XSHAPE), [1.0]),
+        TypeE,
+        r"^y must be .*got list",
+    ),
+    (
+        "bwd_dy_list",
+        lambda f: _bwd(f, dy=[1.0]),
+        TypeE,
+        r"^dy must be a (numpy\.ndarray|torch\.Tensor) like y, got list",
+    ),
+    (
+        "bwd_dy_other_framework",
+        lambda f: _bwd(f, dy=arr("torch" if f == "numpy" else "numpy", XSHAPE)),
+        TypeE,
+        r"^dy must be a (numpy\.ndarray|torch\.Tensor) like y, got (Tensor|ndarray)",
+    ),
+    (
+        "bwd_dy_shape",
+        lambda f: _bwd(f, dy=arr(f, (2, 3, 4, 6))),
+        ValueE,
+        r"^dy must be of y's shape \(2, 3, 4, 5\).*got shape \(2, 3, 4, 6\)",
+    ),
+    (
+        "bwd_dy_broadcastable_shape",
+        lambda f: _bwd(f, dy=arr(f, (1, 3, 4, 5))),
+        ValueE,
+        r"^dy must be of y's shape \(2, 3, 4, 5\).*got shape \(1, 3, 4, 5\)",
+    ),
+    (
+        "bwd_dy_dtype",
+        lambda f: _bwd(f, dy=arr(f, XSHAPE, np.float16)),
+        ValueE,
+        r"^dy must be of y's shape .* and dtype .*float32.*got .*dtype .*float16",
+    ),
     ("bwd_scale_str", lambda f: _bwd(f, scale="x"), TypeE, r"^scale must be a real number, got str 'x'"),
     ("bwd_scale_nan", lambda f: _bwd(f, scale=math.nan), ValueE, r"^scale must be a finite float.*got nan"),
     ("bwd_scale_bool", lambda f: _bwd(f, scale=False), TypeE, r"^scale must be a real number, got bool False"),
-    ("bwd_out_shape", lambda f: _bwd(f, out=arr(f, (2, 3, 5))), ValueE,
-     r"^out must be of .*shape \(2, 3, 4, 5\), got shape \(2, 3, 5\)"),
-    ("bwd_out_dtype", lambda f: _bwd(f, out=arr(f, XSHAPE, np.float16)), TypeE,
-     r"^out must be of .*dtype float32, got dtype float16"),
+    (
+        "bwd_out_shape",
+        lambda f: _bwd(f, out=arr(f, (2, 3, 5))),
+        ValueE,
+        r"^out must be of .*shape \(2, 3, 4, 5\), got shape \(2, 3, 5\)",
+    ),
+    (
+        "bwd_out_dtype",
+        lambda f: _bwd(f, out=arr(f, XSHAPE, np.float16)),
+        TypeE,
+        r"^out must be of .*dtype float32, got dtype float16",
+    ),
     ("bwd_out_list", lambda f: _bwd(f, out=[]), TypeE, r"^out must be a (numpy\.ndarray|torch\.Tensor).*got list"),
 ]
 
@@ -140,8 +243,12 @@ CASES = [
 # The backward names its argument `y`; these messages must say so, not `x`.
 BWD_Y_CASES = [
     ("bwd_y_0d", lambda f: _bwd(f, dy=arr(f, ()), y=arr(f, ())), ValueE, r"^y must be at least 1-D.*got shape \(\)"),
-    ("bwd_y_int", lambda f: _bwd(f, dy=arr(f, XSHAPE, np.int64), y=arr(f, XSHAPE, np.int64)), TypeE,
-     r"^y must be of dtype .*got dtype int64"),
+    (
+        "bwd_y_int",
+        lambda f: _bwd(f, dy=arr(f, XSHAPE, np.int64), y=arr(f, XSHAPE, np.int64)),
+        TypeE,
+        r"^y must be of dtype .*got dtype int64",
+    ),
     ("bwd_out_shape_names_y", lambda f: _bwd(f, out=arr(f, (2, 3, 5))), ValueE, r"^out must be of y's shape"),
     ("bwd_out_dtype_names_y", lambda f: _bwd(f, out=arr(f, XSHAPE, np.float16)), TypeE, r"^out must be of y's dtype"),
 ]
@@ -190,6 +297,7 @@ def test_validation_precedes_any_work(front):
 
 # -- torch-only argument errors (CPU tensors) ------------------------------------------
 
+
 def test_torch_key_lengths_as_a_sequence():
     # A list, tuple or NumPy array is taken as key_lengths (moved to x's device); the
     # result equals a tensor's.  Anything else is refused.
@@ -199,29 +307,47 @@ def test_torch_key_lengths_as_a_sequence():
     want = drvsoftmax.scaled_masked_softmax(x, key_lengths=torch.tensor(lens))
     for lengths in (lens, tuple(lens), np.array(lens, dtype=np.int32)):
         assert torch.equal(drvsoftmax.scaled_masked_softmax(x, key_lengths=lengths), want)
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths={0: 1}), TypeError,
-                  r"^key_lengths must be a tensor, list or array of integers.*got dict")
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths=[1.5] * b), TypeError,
-                  r"^key_lengths must be of an integer dtype.*got dtype float64")
+    _check_raises(
+        lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths={0: 1}),
+        TypeError,
+        r"^key_lengths must be a tensor, list or array of integers.*got dict",
+    )
+    _check_raises(
+        lambda: drvsoftmax.scaled_masked_softmax(x, key_lengths=[1.5] * b),
+        TypeError,
+        r"^key_lengths must be of an integer dtype.*got dtype float64",
+    )
 
 
 def test_torch_out_with_broadcast_strides():
     x = arr("torch", XSHAPE)
     out = torch.zeros(5).expand(XSHAPE)
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, out=out), ValueError,
-                  r"^out must be writable without overlap.*got strides \(0, 0, 0, 1\)")
+    _check_raises(
+        lambda: drvsoftmax.scaled_masked_softmax(x, out=out),
+        ValueError,
+        r"^out must be writable without overlap.*got strides \(0, 0, 0, 1\)",
+    )
     y = arr("torch", XSHAPE)
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax_backward(y, y, out=out), ValueError,
-                  r"^out must be writable without overlap.*got strides \(0, 0, 0, 1\)")
+    _check_raises(
+        lambda: drvsoftmax.scaled_masked_softmax_backward(y, y, out=out),
+        ValueError,
+        r"^out must be writable without overlap.*got strides \(0, 0, 0, 1\)",
+    )
 
 
 def test_torch_out_with_autograd():
     x = arr("torch", XSHAPE).requires_grad_(True)
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(x, out=torch.empty(XSHAPE)), ValueError,
-                  r"^out must be None when x or mask requires grad")
+    _check_raises(
+        lambda: drvsoftmax.scaled_masked_softmax(x, out=torch.empty(XSHAPE)),
+        ValueError,
+        r"^out must be None when x or mask requires grad",
+    )
     m = arr("torch", XSHAPE[-2:]).requires_grad_(True)
-    _check_raises(lambda: drvsoftmax.scaled_masked_softmax(arr("torch", XSHAPE), m, out=torch.empty(XSHAPE)),
-                  ValueError, r"^out must be None when x or mask requires grad")
+    _check_raises(
+        lambda: drvsoftmax.scaled_masked_softmax(arr("torch", XSHAPE), m, out=torch.empty(XSHAPE)),
+        ValueError,
+        r"^out must be None when x or mask requires grad",
+    )
 
 
 @pytest.mark.parametrize("bad", [("scale", "s"), ("causal", "yes"), ("key_lengths", 2.5)])
@@ -242,17 +368,20 @@ def test_torch_module_checks_its_arguments():
 
 # -- legal edge values must be accepted --------------------------------------------------
 
+
 @pytest.mark.parametrize("front", FRONTS)
-@pytest.mark.parametrize("scale", [0, -3, 0.0, -0.0, 3.4028234663852886e38, -1e-45, np.float32(0.5),
-                                   np.int64(2), np.float16(-1.5)])
+@pytest.mark.parametrize(
+    "scale", [0, -3, 0.0, -0.0, 3.4028234663852886e38, -1e-45, np.float32(0.5), np.int64(2), np.float16(-1.5)]
+)
 def test_legal_scales(front, scale):
     y = drvsoftmax.scaled_masked_softmax(arr(front, XSHAPE), scale=scale)
     assert tuple(y.shape) == XSHAPE
 
 
 @pytest.mark.parametrize("front", FRONTS)
-@pytest.mark.parametrize("mdtype", [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16,
-                                    np.float32, np.float64])
+@pytest.mark.parametrize(
+    "mdtype", [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64]
+)
 @pytest.mark.parametrize("mshape", [(2, 1, 4, 5), (1, 1, 4, 5), (4, 5), (2, 1, 1, 5), (2, 3, 4, 5), (5,), (1,), ()])
 def test_legal_mask_dtypes_and_shapes(front, mdtype, mshape):
     y = drvsoftmax.scaled_masked_softmax(arr(front, XSHAPE), arr(front, mshape, mdtype))
@@ -275,7 +404,7 @@ def test_numpy_bool_causal_is_accepted(front):
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_numpy_read_only_out(direction):
     x = arr("numpy", XSHAPE)
-    out = np.broadcast_to(np.zeros(5, np.float32), XSHAPE)   # read-only, overlapping
+    out = np.broadcast_to(np.zeros(5, np.float32), XSHAPE)  # read-only, overlapping
     if direction == "forward":
         call = lambda: drvsoftmax.scaled_masked_softmax(x, out=out)  # noqa: E731
     else:
@@ -301,7 +430,7 @@ _dims = st.integers(min_value=1, max_value=3)
 def test_fuzz_arguments_never_escape_as_foreign_errors(xshape, mshape, mdtype, klen, causal, scale, front):
     # Masks with more dims than x are left to test_softmax_reference.test_mask_with_leading_unit_dims.
     if mshape is not None and len(mshape) > len(xshape):
-        mshape = mshape[len(mshape) - len(xshape):]
+        mshape = mshape[len(mshape) - len(xshape) :]
     x = arr(front, xshape)
     mask = None if mshape is None else arr(front, mshape, mdtype)
     kl = None if klen is None else _klen(front, klen)
@@ -338,14 +467,22 @@ class _CudaLike:
         return 120
 
 
-@pytest.mark.parametrize("kw,exc,pattern", [
-    ({"mask": np.zeros(XSHAPE, dtype=bool)}, TypeError, r"^mask must be a torch\.Tensor like x.*got ndarray"),
-    ({"out": [0.0] * 120}, TypeError, r"^out must be a torch\.Tensor like x.*got list"),
-    ({"key_lengths": {0: 1}}, TypeError, r"^key_lengths must be a torch\.Tensor.*got dict"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,pattern",
+    [
+        ({"mask": np.zeros(XSHAPE, dtype=bool)}, TypeError, r"^mask must be a torch\.Tensor like x.*got ndarray"),
+        ({"out": [0.0] * 120}, TypeError, r"^out must be a torch\.Tensor like x.*got list"),
+        ({"key_lengths": {0: 1}}, TypeError, r"^key_lengths must be a torch\.Tensor.*got dict"),
+    ],
+)
 def test_cuda_call_with_foreign_arguments_fails_in_the_checks(kw, exc, pattern):
     from drvsoftmax import torch as dtorch
 
     args = {"mask": None, "scale": 1.0, "causal": False, "key_lengths": None, "out": None, "stream": None, **kw}
-    _check_raises(lambda: dtorch._forward_impl(_CudaLike(), args["mask"], args["scale"], args["causal"],
-                                               args["key_lengths"], args["out"], args["stream"]), exc, pattern)
+    _check_raises(
+        lambda: dtorch._forward_impl(
+            _CudaLike(), args["mask"], args["scale"], args["causal"], args["key_lengths"], args["out"], args["stream"]
+        ),
+        exc,
+        pattern,
+    )

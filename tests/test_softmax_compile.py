@@ -125,6 +125,7 @@ def test_sources_and_hash():
 # ----------------------------------------------------------------------------------
 # The disk cache of run-time compiled cubins.
 
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     d = tmp_path / "cache"
@@ -159,8 +160,10 @@ def test_cache_writes_then_answers_without_compiling(cache_dir, monkeypatch):
 def _fake_compiler(calls):
     def fake(arch, names=None):
         calls.append((arch, list(names)))
-        return _compiler.CompiledImage(arch, ELF_MAGIC + b"fake " + arch.encode(), {n: "_Zfake" for n in names},
-                                       _compiler.nvrtc_version_str(), "")
+        return _compiler.CompiledImage(
+            arch, ELF_MAGIC + b"fake " + arch.encode(), {n: "_Zfake" for n in names}, _compiler.nvrtc_version_str(), ""
+        )
+
     return fake
 
 
@@ -171,7 +174,7 @@ def test_cache_recompiles_a_corrupted_cubin(cache_dir, monkeypatch):
     img, hit = _compiler.cached_compile("sm_90", names)
     assert hit is False and calls == [("sm_90", names)]
     cubin, meta_path = _compiler.cache_paths("sm_90", names)
-    cubin.write_bytes(img.image[:-1] + b"X")          # same size, wrong sha256
+    cubin.write_bytes(img.image[:-1] + b"X")  # same size, wrong sha256
     assert _compiler.cache_lookup("sm_90", names) is None
     img2, hit2 = _compiler.cached_compile("sm_90", names)
     assert hit2 is False and len(calls) == 2 and img2.image == img.image

@@ -20,10 +20,20 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # Row lengths at the tier boundaries: 1 element, odd sizes, 32 chunks (the one-chunk
 # tier's end: 256 16-bit / 128 fp32 elements) +-1, the backward register tier's capacity
 # (16384) +1, the forward's (32768) +1, and the looped tier beyond.
-SKS = [1, 2, 3, 31, 32, 33, 127, 128, 256, 257, 1000, 1023, 1024, 1025, 2048, 4097, 16384, 16385,
-       32768, 32769, 65536]
-MASKS = ["none", "bool_b1qk", "uint8_11qk", "int8_qk", "bool_b11k", "int64_bhqk",
-         "add_own_b1qk", "add_f32_qk", "add_f16_b11k", "add_bf16_11qk", "add_f64_bhqk"]
+SKS = [1, 2, 3, 31, 32, 33, 127, 128, 256, 257, 1000, 1023, 1024, 1025, 2048, 4097, 16384, 16385, 32768, 32769, 65536]
+MASKS = [
+    "none",
+    "bool_b1qk",
+    "uint8_11qk",
+    "int8_qk",
+    "bool_b11k",
+    "int64_bhqk",
+    "add_own_b1qk",
+    "add_f32_qk",
+    "add_f16_b11k",
+    "add_bf16_11qk",
+    "add_f64_bhqk",
+]
 
 _gen = np.random.default_rng(20261129)
 
@@ -51,8 +61,9 @@ def _make_mask(kind: str, shape, dtype):
     dims = {"b1qk": (b, 1, q, k), "11qk": (1, 1, q, k), "qk": (q, k), "b11k": (b, 1, 1, k), "bhqk": (b, h, q, k)}
     mshape = dims[kind.rsplit("_", 1)[1]]
     if kind.startswith("add"):
-        mdt = {"own": dtype, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-               "f64": torch.float64}[kind.split("_")[1]]
+        mdt = {"own": dtype, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}[
+            kind.split("_")[1]
+        ]
         m = torch.from_numpy(_gen.standard_normal(mshape)).to(mdt)
         hide = torch.from_numpy(_gen.random(mshape) < 0.2)
         return m.masked_fill(hide, float("-inf")).cuda()
@@ -72,13 +83,17 @@ def _check_forward(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, w
     y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out)
     assert y is out
     torch.cuda.synchronize()
-    ref = _reference.softmax_forward(_np(x), None if mask is None else _np(mask), scale, causal,
-                                     None if key_lengths is None else _np(key_lengths))
+    ref = _reference.softmax_forward(
+        _np(x), None if mask is None else _np(mask), scale, causal, None if key_lengths is None else _np(key_lengths)
+    )
     got = _np(y)
     assert_matches(got, ref, dt, what)
-    hidden = np.broadcast_to(_reference.hidden_positions(x.shape, None if mask is None else _np(mask),
-                                                         causal, None if key_lengths is None else _np(key_lengths)),
-                             x.shape)
+    hidden = np.broadcast_to(
+        _reference.hidden_positions(
+            x.shape, None if mask is None else _np(mask), causal, None if key_lengths is None else _np(key_lengths)
+        ),
+        x.shape,
+    )
     assert np.all(got[hidden] == 0), f"{what}: hidden positions are not exactly 0"
     visible_rows = ~np.all(np.broadcast_to(ref == 0, ref.shape), axis=-1)
     sums = got.sum(-1, dtype=np.float64)
@@ -128,14 +143,14 @@ def test_key_lengths(kl_dtype, sk):
 @pytest.mark.parametrize("sk", [3, 64, 1000, 20000, 40000])
 def test_nonfinite_rows(dtype, sk):
     x = _rand((1, 1, 6, sk), DTYPES[dtype])
-    x[0, 0, 0, 1 % sk] = float("nan")       # NaN row
-    x[0, 0, 1, 0] = float("inf")            # +inf row
-    x[0, 0, 2, :] = float("-inf")           # every score -inf: hidden, zeros
-    x[0, 0, 3, sk - 1] = float("-inf")      # one -inf key: hidden
+    x[0, 0, 0, 1 % sk] = float("nan")  # NaN row
+    x[0, 0, 1, 0] = float("inf")  # +inf row
+    x[0, 0, 2, :] = float("-inf")  # every score -inf: hidden, zeros
+    x[0, 0, 3, sk - 1] = float("-inf")  # one -inf key: hidden
     m = torch.zeros((1, 1, 6, sk), dtype=torch.bool, device="cuda")
-    m[0, 0, 4, :] = True                    # fully masked row
+    m[0, 0, 4, :] = True  # fully masked row
     m[0, 0, 5, 0] = True
-    x[0, 0, 5, 0] = float("nan")            # NaN under a boolean mask is hidden, not NaN
+    x[0, 0, 5, 0] = float("nan")  # NaN under a boolean mask is hidden, not NaN
     _check_forward(x, m, what=f"nonfinite Sk={sk}")
 
 
@@ -150,7 +165,7 @@ def test_strided_inputs_are_not_copied(sk):
     base = _rand((3, 4, 6, 2 * sk + 8), torch.float16)
     views = {
         "transpose": base[..., :sk].transpose(1, 2),
-        "slice": base[:, 1:3, ::2, 4:4 + sk],
+        "slice": base[:, 1:3, ::2, 4 : 4 + sk],
         "last_dim_stride2": base[..., : 2 * sk : 2],
         "expanded_rows": base[:1, :1, :1, :sk].expand(2, 3, 5, sk),
     }
@@ -166,24 +181,29 @@ def test_mask_rows_read_whole_or_element_wise(mdtype, sk):
     x = _rand((2, 3, 4, sk), torch.float16)
     big = _make_mask("add_own_b1qk" if mdtype.is_floating_point else "bool_b1qk", (2, 3, 4, 2 * sk + 8), torch.float16)
     big = big.to(mdtype)
-    for name, m in {"aligned": big[..., :sk].contiguous(), "offset": big[..., 1:1 + sk],
-                    "strided": big[..., : 2 * sk : 2]}.items():
+    for name, m in {
+        "aligned": big[..., :sk].contiguous(),
+        "offset": big[..., 1 : 1 + sk],
+        "strided": big[..., : 2 * sk : 2],
+    }.items():
         _check_forward(x, m, scale=0.5, what=f"mask {name} {mdtype} Sk={sk}")
 
 
-@pytest.mark.parametrize("dtype,rows,sk", [
-    ("float16", 1_100_000, 256),     # short tier: 16 rows per block iteration, > 65535 blocks
-    ("float32", 140_000, 2048),      # register tier, 2 rows per block
-    ("bfloat16", 70_000, 32769),     # looped tier, a row per block
-])
+@pytest.mark.parametrize(
+    "dtype,rows,sk",
+    [
+        ("float16", 1_100_000, 256),  # short tier: 16 rows per block iteration, > 65535 blocks
+        ("float32", 140_000, 2048),  # register tier, 2 rows per block
+        ("bfloat16", 70_000, 32769),  # looped tier, a row per block
+    ],
+)
 def test_grid_stride_loops_cover_every_row(dtype, rows, sk):
     # More rows than the capped grid holds: the kernels loop.  Checked against a float64
     # softmax on the GPU at rows spread over the whole tensor, the last one included.
     x = torch.randn((rows, sk), device="cuda", dtype=DTYPES[dtype])
     y = torch.full_like(x, float("nan"))
     drvsoftmax.scaled_masked_softmax(x, scale=0.5, out=y)
-    idx = torch.cat([torch.arange(0, rows, max(1, rows // 97), device="cuda"),
-                     torch.tensor([rows - 1], device="cuda")])
+    idx = torch.cat([torch.arange(0, rows, max(1, rows // 97), device="cuda"), torch.tensor([rows - 1], device="cuda")])
     ref = torch.softmax(x[idx].double() * 0.5, -1)
     assert_matches(y[idx].float().cpu().numpy(), ref.cpu().numpy(), dtype, f"grid-stride {dtype} {rows}x{sk}")
     assert not torch.isnan(y).any()
@@ -221,6 +241,7 @@ def test_non_default_stream_and_explicit_stream_argument():
 
 # ----------------------------------------------------------------------------------
 # Backward
+
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("sk", SKS)

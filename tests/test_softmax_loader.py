@@ -25,7 +25,10 @@ K2 = "smx_bwd_loop<float>"
 def _build(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "build_ptx.py"), "--out", str(out), "--kernels", K1, K2, "-v", *extra],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
 
 
@@ -61,7 +64,9 @@ def chain(monkeypatch, artifacts_dir, tmp_path):
 
     def fake_compile(arch, names):
         compiled.append((arch, tuple(names)))
-        return _compiler.CompiledImage(arch, b"\x7fELF-fake", {n: "sym_" + str(len(n)) for n in names}, "13.0", ""), False
+        return _compiler.CompiledImage(
+            arch, b"\x7fELF-fake", {n: "sym_" + str(len(n)) for n in names}, "13.0", ""
+        ), False
 
     monkeypatch.setattr(_loader, "_load_library", fake_load)
     monkeypatch.setattr(_loader, "_get_kernel", fake_get_kernel)
@@ -75,8 +80,12 @@ def test_manifest_content_and_byte_identical_rebuild(artifacts_dir, tmp_path):
     assert m["source_hash"] == _compiler.source_hash()
     assert m["nvrtc"] == _compiler.nvrtc_version_str()
     assert m["kernels"] == [K1, K2]
-    assert set(m["files"]) == {"drvsoftmax_sm_80.cubin", "drvsoftmax_sm_90.cubin",
-                               "drvsoftmax_compute_75.ptx", "drvsoftmax_compute_90.ptx"}
+    assert set(m["files"]) == {
+        "drvsoftmax_sm_80.cubin",
+        "drvsoftmax_sm_90.cubin",
+        "drvsoftmax_compute_75.ptx",
+        "drvsoftmax_compute_90.ptx",
+    }
     for fname, e in m["files"].items():
         data = (artifacts_dir / fname).read_bytes()
         assert e["size"] == len(data)
@@ -110,7 +119,7 @@ def _ptx_driver(folder) -> int:
 def test_ptx_when_no_cubin_and_driver_is_new_enough(chain):
     folder, loads, compiled = chain
     drv = _ptx_driver(folder)
-    k, origin = _loader.find_kernel(K1, "sm_89", drv)   # no sm_89 cubin; compute_90 is too new an arch
+    k, origin = _loader.find_kernel(K1, "sm_89", drv)  # no sm_89 cubin; compute_90 is too new an arch
     assert origin.startswith("packaged PTX drvsoftmax_compute_75.ptx")
     k, origin = _loader.find_kernel(K1, "sm_100", drv)  # newest PTX the device can JIT
     assert origin.startswith("packaged PTX drvsoftmax_compute_90.ptx")
@@ -182,8 +191,14 @@ def test_stale_artifacts_are_ignored_and_reported_once(chain):
 
 
 def test_info_without_a_gpu_still_reports():
-    r = subprocess.run([sys.executable, "-m", "drvsoftmax", "info"], capture_output=True, text=True, timeout=120,
-                       cwd=str(ROOT), env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-m", "drvsoftmax", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr
     for needle in ("drvsoftmax ", "cuda-bindings", "NVRTC", "run-time compile cache", "packaged artifacts"):
         assert needle in r.stdout
@@ -210,9 +225,14 @@ def test_describe_each_kernel(chain, tmp_path, monkeypatch):
 
 
 def test_info_lists_every_kernel_for_an_architecture():
-    r = subprocess.run([sys.executable, "-m", "drvsoftmax", "info", "--kernels", "--arch", "sm_86"],
-                       capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-m", "drvsoftmax", "info", "--kernels", "--arch", "sm_86"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr
     from drvsoftmax import _plan
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import drvsoftmax
 from drvsoftmax import _args, _compiler, _core, _plan
 
-DTYPES = list(_plan.X_DTYPES)            # float16, bfloat16, float32
+DTYPES = list(_plan.X_DTYPES)  # float16, bfloat16, float32
 MASK_KINDS = list(_plan.MASK_KINDS)
 ITEMSIZE = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
 
@@ -43,25 +43,47 @@ def _tpr(plan) -> int:
 #   32768/9     forward capacity: 1024 threads x 4 chunks / the looped tier
 #   16384/5     backward capacity: 1024 threads x 2 chunks / the looped tier
 FWD_16 = [
-    (1, "short", 1, 1), (2, "short", 1, 1), (8, "short", 1, 1), (9, "short", 1, 2),
-    (31, "short", 1, 4), (32, "short", 1, 4), (33, "short", 1, 8),
-    (256, "short", 1, 32), (257, "register", 4, 16),
-    (1024, "register", 4, 32), (1025, "register", 4, 64),
-    (32768, "register", 4, 1024), (32769, "loop", 0, 1024),
+    (1, "short", 1, 1),
+    (2, "short", 1, 1),
+    (8, "short", 1, 1),
+    (9, "short", 1, 2),
+    (31, "short", 1, 4),
+    (32, "short", 1, 4),
+    (33, "short", 1, 8),
+    (256, "short", 1, 32),
+    (257, "register", 4, 16),
+    (1024, "register", 4, 32),
+    (1025, "register", 4, 64),
+    (32768, "register", 4, 1024),
+    (32769, "loop", 0, 1024),
 ]
 BWD_16 = FWD_16[:7] + [
-    (256, "short", 1, 32), (257, "register", 2, 32), (512, "register", 2, 32), (513, "register", 2, 64),
-    (16384, "register", 2, 1024), (16385, "loop", 0, 1024), (32768, "loop", 0, 1024),
+    (256, "short", 1, 32),
+    (257, "register", 2, 32),
+    (512, "register", 2, 32),
+    (513, "register", 2, 64),
+    (16384, "register", 2, 1024),
+    (16385, "loop", 0, 1024),
+    (32768, "loop", 0, 1024),
 ]
 # fp32: 4 elements per chunk; 8 chunks per thread forward, 4 backward.
 FWD_32 = [
-    (1, "short", 1, 1), (4, "short", 1, 1), (5, "short", 1, 2), (128, "short", 1, 32),
-    (129, "register", 8, 8), (1024, "register", 8, 32), (1025, "register", 8, 64),
-    (32768, "register", 8, 1024), (32769, "loop", 0, 1024),
+    (1, "short", 1, 1),
+    (4, "short", 1, 1),
+    (5, "short", 1, 2),
+    (128, "short", 1, 32),
+    (129, "register", 8, 8),
+    (1024, "register", 8, 32),
+    (1025, "register", 8, 64),
+    (32768, "register", 8, 1024),
+    (32769, "loop", 0, 1024),
 ]
 BWD_32 = FWD_32[:4] + [
-    (129, "register", 4, 16), (512, "register", 4, 32), (513, "register", 4, 64),
-    (16384, "register", 4, 1024), (16385, "loop", 0, 1024),
+    (129, "register", 4, 16),
+    (512, "register", 4, 32),
+    (513, "register", 4, 64),
+    (16384, "register", 4, 1024),
+    (16385, "loop", 0, 1024),
 ]
 BOUNDARY_CASES = (
     [(dt, False, *b) for dt in ("float16", "bfloat16") for b in FWD_16]
@@ -74,8 +96,9 @@ BOUNDARY_CASES = (
 @pytest.mark.parametrize("dtype,backward,sk,tier,nch,tpr", BOUNDARY_CASES)
 def test_boundary_tiers(dtype, backward, sk, tier, nch, tpr):
     rows = 1000
-    plan = (_plan.plan_backward(rows, sk, dtype, True) if backward
-            else _plan.plan_forward(rows, sk, dtype, "hide1", True))
+    plan = (
+        _plan.plan_backward(rows, sk, dtype, True) if backward else _plan.plan_forward(rows, sk, dtype, "hide1", True)
+    )
     assert (plan.tier, plan.nch, _tpr(plan)) == (tier, nch, tpr), plan
     t = _plan.X_DTYPES[dtype][0]
     n = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES) if backward else 4  # rows per thread, short tier
@@ -169,17 +192,20 @@ def test_grid_is_capped_for_huge_row_counts():
 
 
 def test_kernel_name_templates_are_instantiable_names():
-    pat = re.compile(r"^smx_((fwd_short|fwd_reg)<\w+, \w+(<\w+>)?, [48]>|fwd_loop<\w+, \w+(<\w+>)?>|"
-                     r"(bwd_short|bwd_reg)<\w+, [24]>|bwd_loop<\w+>)$")
+    pat = re.compile(
+        r"^smx_((fwd_short|fwd_reg)<\w+, \w+(<\w+>)?, [48]>|fwd_loop<\w+, \w+(<\w+>)?>|"
+        r"(bwd_short|bwd_reg)<\w+, [24]>|bwd_loop<\w+>)$"
+    )
     for n in _plan.all_kernel_names():
         assert pat.match(n), n
-    n_fwd = len(DTYPES) * len(MASK_KINDS) * 3   # short, register and loop tiers
+    n_fwd = len(DTYPES) * len(MASK_KINDS) * 3  # short, register and loop tiers
     n_bwd = len(DTYPES) * 3
     assert len(_plan.all_kernel_names()) == n_fwd + n_bwd
 
 
 # ----------------------------------------------------------------------------------
 # explain()
+
 
 @pytest.mark.parametrize(
     "shape,dtype,kw,tier,needle",
@@ -201,7 +227,7 @@ def test_explain_names_tier_and_kernel(shape, dtype, kw, tier, needle):
 
 def test_explain_vector_access_and_errors():
     assert "16-byte vector" in drvsoftmax.explain((3, 64), "float16")
-    assert "element-wise" in drvsoftmax.explain((3, 65), "float16")   # rows 65 elements apart: unaligned
+    assert "element-wise" in drvsoftmax.explain((3, 65), "float16")  # rows 65 elements apart: unaligned
     assert "16-byte vector" in drvsoftmax.explain((3, 68), "float32")
     with pytest.raises(drvsoftmax.ArgumentTypeError, match=r"^x must be of dtype .*got dtype float64"):
         drvsoftmax.explain((4, 8), "float64")
@@ -221,8 +247,9 @@ def test_explain_dtype_objects_and_bad_mask_dtype(case):
 # ----------------------------------------------------------------------------------
 # merge_rows and broadcast_strides
 
+
 def _contig(shape):
-    return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
 
 
 def test_merge_contiguous_to_one_dim():
@@ -242,8 +269,8 @@ def test_merge_drops_size_one_dims():
 
 
 def test_transposed_views_do_not_merge():
-    x = np.zeros((2, 3, 4, 40), np.float16).transpose(0, 2, 1, 3)   # [2, 4, 3, 40]
-    st_ = tuple(s // 2 for s in x.strides[:-1])                       # (480, 40, 160)
+    x = np.zeros((2, 3, 4, 40), np.float16).transpose(0, 2, 1, 3)  # [2, 4, 3, 40]
+    st_ = tuple(s // 2 for s in x.strides[:-1])  # (480, 40, 160)
     rows, sizes, strides = _core.merge_rows(x.shape[:-1], [st_, _contig(x.shape)[:-1]])
     assert rows == 24 and sizes == [2, 4, 3] and strides == [[480, 40, 160], [480, 120, 40]]
 
@@ -254,7 +281,7 @@ def test_broadcast_operands():
     m_b1qk = _core.broadcast_strides("mask", (2, 1, 4, 40), _contig((2, 1, 4, 40)), shape)
     assert m_b1qk == (160, 0, 40, 1)
     rows, sizes, strides = _core.merge_rows(shape[:-1], [x, m_b1qk[:-1]])
-    assert sizes == [2, 3, 4] and strides[1] == [160, 0, 40]   # H is broadcast: nothing merges
+    assert sizes == [2, 3, 4] and strides[1] == [160, 0, 40]  # H is broadcast: nothing merges
     m_qk = _core.broadcast_strides("mask", (4, 40), (40, 1), shape)
     assert m_qk == (0, 0, 40, 1)
     rows, sizes, strides = _core.merge_rows(shape[:-1], [x, m_qk[:-1]])
@@ -461,7 +488,7 @@ def test_prepared_forward_parameters_read_back_under_c_names():
     assert (f["sk"], f["sx"], f["sy"], f["sm"], f["causal_shift"]) == (40, 1, 1, 1, 36)
     assert f["scale"] == 0.125
     assert f["flags"] == _core.F_CAUSAL | _core.F_KLEN | _core.F_KLEN64 | _core.F_VEC
-    assert f["tpr_log2"] == prep.plan.tpr_log2 == 3   # 5 chunks -> 8 threads
+    assert f["tpr_log2"] == prep.plan.tpr_log2 == 3  # 5 chunks -> 8 threads
     assert (prep.grid, prep.block) == (prep.plan.grid, prep.plan.block) == (1, 128)
     # Division by the inner sizes (3 and 4) through multiply-high and shift; the outermost needs none.
     for d, n in ((1, 3), (2, 4)):
@@ -472,7 +499,7 @@ def test_prepared_forward_parameters_read_back_under_c_names():
 def test_prepared_forward_strided_int32_klen_no_vector():
     Op = _core.Operand
     shape = (3, 5, 33)
-    x = Op(0x1008, "float32", shape, (400, 66, 2))      # last-dim stride 2: element-wise
+    x = Op(0x1008, "float32", shape, (400, 66, 2))  # last-dim stride 2: element-wise
     y = Op(0x2000, "float32", shape, _contig(shape))
     klen = Op(0x4000, "int32", (3,), (1,))
     prep = _core.prepare_forward(_FakeDevice(), x, y, None, klen, False, -2.0, False)
@@ -487,8 +514,9 @@ def test_prepared_backward_parameters_read_back_under_c_names():
     Op = _core.Operand
     shape = (6, 50000)
     c = _contig(shape)
-    prep = _core.prepare_backward(_FakeDevice(), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c),
-                                  Op(0, "bfloat16", shape, c), 0.5, True)
+    prep = _core.prepare_backward(
+        _FakeDevice(), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c), 0.5, True
+    )
     f = _unpack("BwdParams", _core.BWD_STRUCT, prep)
     assert prep.plan.tier == "loop" and prep.kernel == "<CUfunction smx_bwd_loop<smx_bf16>>" and prep.nargs == 4
     assert f["g.rows"] == 6 and f["g.ndim"] == 1 and f["g.size[0]"] == 6

@@ -25,15 +25,24 @@ torch = pytest.importorskip("torch")
 
 BF16 = ml_dtypes.bfloat16
 NP_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": BF16}
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "float64": torch.float64}
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 HIDE_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int8": np.int8, "int32": np.int32, "int64": np.int64}
 ADD_DTYPES = {"add_float16": np.float16, "add_float32": np.float32, "add_float64": np.float64}
 MASK_KINDS = ["none", *HIDE_DTYPES, *ADD_DTYPES]
 # x is [B, H, Sq, Sk] = [2, 3, 4, 6]: Sk not a multiple of any vector width, Sq != Sk.
 B, H, SQ, SK = 2, 3, 4, 6
-MASK_SHAPES = {"b1qk": (B, 1, SQ, SK), "11qk": (1, 1, SQ, SK), "qk": (SQ, SK), "b11k": (B, 1, 1, SK),
-               "bhqk": (B, H, SQ, SK)}
+MASK_SHAPES = {
+    "b1qk": (B, 1, SQ, SK),
+    "11qk": (1, 1, SQ, SK),
+    "qk": (SQ, SK),
+    "b11k": (B, 1, 1, SK),
+    "bhqk": (B, H, SQ, SK),
+}
 
 INF = float("inf")
 NAN = float("nan")
@@ -41,6 +50,7 @@ NAN = float("nan")
 
 # ----------------------------------------------------------------------------------
 # The independent oracle.
+
 
 def _is_float_mask(mask) -> bool:
     return mask is not None and (mask.dtype.kind == "f" or mask.dtype.name == "bfloat16")
@@ -123,6 +133,7 @@ def check_softmax(got, x, mask=None, scale=1.0, causal=False, key_lengths=None, 
 # ----------------------------------------------------------------------------------
 # Inputs.
 
+
 def _rng(*key):
     """A fixed-seed generator per test case (crc32, not hash(): str hashes vary per process)."""
     return np.random.default_rng([20261130, zlib.crc32(repr(key).encode())])
@@ -163,6 +174,7 @@ def _grid():
 
 # ----------------------------------------------------------------------------------
 # NumPy: the reference path and the public function.
+
 
 @pytest.mark.parametrize("dtype,kind,mshape", list(_grid()))
 def test_forward_grid_against_naive(dtype, kind, mshape):
@@ -236,12 +248,12 @@ def test_all_sources_together(dtype, kind, sq, sk):
 @pytest.mark.parametrize(
     "xshape,mshape,causal,klen",
     [
-        ((9,), None, False, None),                   # 1-D: a single row
+        ((9,), None, False, None),  # 1-D: a single row
         ((9,), (9,), False, None),
         ((9,), (1,), False, None),
-        ((4, 9), (9,), True, None),                  # 2-D [Sq, Sk]
-        ((4, 9), (4, 1), False, [9, 0, 3, 20]),      # 2-D with key_lengths over rows
-        ((2, 2, 3, 4, 5), (2, 1, 1, 4, 5), True, [5, 2]),   # 5-D
+        ((4, 9), (9,), True, None),  # 2-D [Sq, Sk]
+        ((4, 9), (4, 1), False, [9, 0, 3, 20]),  # 2-D with key_lengths over rows
+        ((2, 2, 3, 4, 5), (2, 1, 1, 4, 5), True, [5, 2]),  # 5-D
         ((2, 2, 3, 4, 5), (4, 5), False, [1, 6]),
         ((2, 2, 3, 4, 5), (3, 1, 5), True, None),
     ],
@@ -260,9 +272,11 @@ def test_strided_views_match_naive():
     rng = _rng("views")
     base = make_x(rng, (3, 4, 6, 20), "float32")
     mask = make_mask(rng, "bool", (1, 1, 6, 7))
-    views = {"transpose": base[..., :7].transpose(1, 0, 2, 3),
-             "negative": base[::-1, :, ::-2, 3:10],
-             "last_stride": base[..., :14:2]}
+    views = {
+        "transpose": base[..., :7].transpose(1, 0, 2, 3),
+        "negative": base[::-1, :, ::-2, 3:10],
+        "last_stride": base[..., :14:2],
+    }
     for name, v in views.items():
         m = mask if v.shape[-2] == 6 else None
         y = drvsoftmax.scaled_masked_softmax(v, m, causal=True)
@@ -302,21 +316,22 @@ def test_mask_with_leading_unit_dims(kind, front):
 # ----------------------------------------------------------------------------------
 # Properties and non-finite data.
 
+
 @pytest.mark.parametrize("dtype", list(NP_DTYPES))
 def test_nonfinite_scores(dtype):
     rng = _rng("nonfinite", dtype)
     x = make_x(rng, (1, 8, 6), dtype).astype(np.float64)
     mask = np.zeros((1, 8, 6), bool)
-    x[0, 0, 2] = NAN                   # NaN -> row NaN
-    x[0, 1, 0] = INF                   # +inf -> row NaN
-    x[0, 2, :] = -INF                  # every score -inf -> zeros, never NaN
-    x[0, 3, 5] = -INF                  # one -inf key -> that key 0
-    mask[0, 4, :] = True               # fully masked -> zeros
+    x[0, 0, 2] = NAN  # NaN -> row NaN
+    x[0, 1, 0] = INF  # +inf -> row NaN
+    x[0, 2, :] = -INF  # every score -inf -> zeros, never NaN
+    x[0, 3, 5] = -INF  # one -inf key -> that key 0
+    mask[0, 4, :] = True  # fully masked -> zeros
     x[0, 5, 1] = NAN
-    mask[0, 5, 1] = True               # NaN under a boolean mask is hidden: row fine
+    mask[0, 5, 1] = True  # NaN under a boolean mask is hidden: row fine
     x[0, 6, 3] = INF
-    mask[0, 6, 3] = True               # +inf under a boolean mask too
-    x[0, 7, :] = 1e4                   # huge equal logits: uniform, no overflow
+    mask[0, 6, 3] = True  # +inf under a boolean mask too
+    x[0, 7, :] = 1e4  # huge equal logits: uniform, no overflow
     x = x.astype(NP_DTYPES[dtype])
     y = drvsoftmax.scaled_masked_softmax(x, mask)
     check_softmax(y, x, mask, dtype=dtype, what="nonfinite")
@@ -399,6 +414,7 @@ def test_inputs_are_not_written():
 # ----------------------------------------------------------------------------------
 # Backward.
 
+
 @pytest.mark.parametrize("dtype", list(NP_DTYPES))
 @pytest.mark.parametrize("scale", [0.8, -1.5, 0.0])
 def test_backward_against_naive(dtype, scale):
@@ -454,6 +470,7 @@ def test_backward_is_the_gradient_finite_differences(scale):
 # ----------------------------------------------------------------------------------
 # torch CPU tensors through the public front door.
 
+
 def _t(a, dtype=None):
     if a is None:
         return None
@@ -479,8 +496,7 @@ def test_torch_cpu_forward_matches(dtype, kind):
     assert isinstance(y, torch.Tensor) and y.dtype == TORCH_DTYPES[dtype] and tuple(y.shape) == x.shape
     check_softmax(_n(y), x, mask, 0.9, True, kl, dtype=dtype, what=f"torch {dtype} {kind}")
     out = torch.full(y.shape, NAN, dtype=y.dtype)
-    assert drvsoftmax.scaled_masked_softmax(_t(x), _t(mask), scale=0.9, causal=True, key_lengths=_t(kl),
-                                            out=out) is out
+    assert drvsoftmax.scaled_masked_softmax(_t(x), _t(mask), scale=0.9, causal=True, key_lengths=_t(kl), out=out) is out
     assert torch.equal(out, y)
 
 
@@ -592,6 +608,7 @@ def test_torch_double_backward():
 # ----------------------------------------------------------------------------------
 # Known-wrong implementations must fail the checker.
 
+
 def _plain_softmax(v, axis=-1):
     m = np.max(v, axis=axis, keepdims=True)
     e = np.exp(v - m)
@@ -627,23 +644,24 @@ def _wrong_low_precision(acc):
         with np.errstate(invalid="ignore", divide="ignore"):
             e = np.exp((s - m).astype(np.float32)).astype(acc)
             tot = np.zeros(e.shape[:-1] + (1,), acc)
-            for j in range(e.shape[-1]):          # sequential accumulation in the low precision
-                tot = (tot + e[..., j:j + 1]).astype(acc)
+            for j in range(e.shape[-1]):  # sequential accumulation in the low precision
+                tot = (tot + e[..., j : j + 1]).astype(acc)
             y = (e.astype(np.float32) / tot.astype(np.float32)).astype(acc)
         return np.where(np.isfinite(m.astype(np.float32)), y.astype(np.float64), 0.0)
+
     return impl
 
 
 def _wrong_nan_ignoring(x, mask, scale, causal=False, kl=None):
     v = np.where(np.broadcast_to(mask, x.shape) != 0, -np.inf, x.astype(np.float64) * scale)
-    v = np.where(np.isnan(v), -np.inf, v)   # drops NaN instead of propagating it
+    v = np.where(np.isnan(v), -np.inf, v)  # drops NaN instead of propagating it
     return _reference.softmax_forward(v, None, 1.0)
 
 
 def _wrong_nan_for_hidden_rows(x, mask, scale, causal=False, kl=None):
     with np.errstate(invalid="ignore"):
         v = np.where(np.broadcast_to(mask, x.shape) != 0, -np.inf, x.astype(np.float64) * scale)
-        return _plain_softmax(v)            # torch.softmax of an all -inf row: NaN
+        return _plain_softmax(v)  # torch.softmax of an all -inf row: NaN
 
 
 # Each wrong implementation gets only the inputs that expose its own flaw (`nan_row` only
@@ -663,11 +681,11 @@ def _wrong_nan_for_hidden_rows(x, mask, scale, causal=False, kl=None):
 def test_known_wrong_implementations_fail_the_checker(name, impl, dtype, nan_row, hidden_row):
     rng = _rng("wrong", name)
     x = make_x(rng, (2, 2, 4, 64), dtype, 2.0)
-    mask = make_mask(rng, "bool", (2, 1, 4, 64))        # query row 0 fully hidden
+    mask = make_mask(rng, "bool", (2, 1, 4, 64))  # query row 0 fully hidden
     if not hidden_row:
         mask[:, :, 0, :] = rng.random((2, 1, 64)) < 0.3
     if nan_row:
-        x[0, 0, 1, 3] = NAN                             # a NaN row the mask does not hide
+        x[0, 0, 1, 3] = NAN  # a NaN row the mask does not hide
         mask[:, :, 1, 3] = False
     good = drvsoftmax.scaled_masked_softmax(x, mask, scale=0.5)
     check_softmax(good, x, mask, 0.5, dtype=dtype, what="the real thing passes")
@@ -684,8 +702,15 @@ def test_top_left_causal_fails_the_checker():
         good = drvsoftmax.scaled_masked_softmax(x, causal=True)
         check_softmax(good, x, None, 1.0, True, dtype="float32")
         with pytest.raises(AssertionError):
-            check_softmax(_wrong_top_left_causal(x, None, 1.0).astype(np.float32), x, None, 1.0, True,
-                          dtype="float32", what="top-left causal")
+            check_softmax(
+                _wrong_top_left_causal(x, None, 1.0).astype(np.float32),
+                x,
+                None,
+                1.0,
+                True,
+                dtype="float32",
+                what="top-left causal",
+            )
 
 
 def test_wrong_backward_fails_the_checker():

@@ -66,8 +66,11 @@ def test_bool_mask_and_key_lengths_get_no_gradient(device):
     y = drvsoftmax.scaled_masked_softmax(x, m, key_lengths=kl, causal=True)
     (gx,) = torch.autograd.grad(y.sum() + (y * y).sum(), (x,))
     assert torch.isfinite(gx).all()
-    hidden = torch.from_numpy(np.broadcast_to(
-        _reference.hidden_positions(tuple(x.shape), m.cpu().numpy(), True, kl.cpu().numpy()), x.shape).copy())
+    hidden = torch.from_numpy(
+        np.broadcast_to(
+            _reference.hidden_positions(tuple(x.shape), m.cpu().numpy(), True, kl.cpu().numpy()), x.shape
+        ).copy()
+    )
     assert (gx.cpu()[hidden] == 0).all()
 
 
@@ -103,8 +106,11 @@ def test_gradcheck_cpu_float64():
 def test_opcheck_both_ops(device):
     dtype = torch.float32
     x = torch.randn(2, 3, 4, 40, device=device, dtype=dtype, requires_grad=True)
-    for mask in (None, torch.rand(2, 1, 4, 40, device=device) < 0.2,
-                 torch.randn(1, 1, 4, 40, device=device, dtype=dtype, requires_grad=True)):
+    for mask in (
+        None,
+        torch.rand(2, 1, 4, 40, device=device) < 0.2,
+        torch.randn(1, 1, 4, 40, device=device, dtype=dtype, requires_grad=True),
+    ):
         for kl in (None, torch.tensor([40, 7], device=device)):
             torch.library.opcheck(torch.ops.drvsoftmax.scaled_masked_softmax, (x, mask, 0.5, True, kl))
     y = torch.softmax(torch.randn(2, 3, 4, 40, device=device), -1).requires_grad_()
@@ -166,14 +172,20 @@ def test_out_with_grad_is_refused_and_autocast_keeps_dtype(device):
 
 
 def test_example_runs():
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_attention.py")], capture_output=True,
-                       text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "torch_attention.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "max |drvsoftmax - PyTorch|" in r.stdout
 
 
 # ----------------------------------------------------------------------------------
 # CUDA only: graphs, streams, threads, devices.
+
 
 def _fresh(shape, dtype=torch.float16):
     return (torch.randn(shape, device="cuda") * 3).to(dtype)
@@ -214,7 +226,7 @@ def test_long_producer_on_same_stream_needs_no_host_sync():
     x = torch.empty((8, 16, 128, 512), device="cuda", dtype=torch.float16)
     src = _fresh(x.shape)
     with torch.cuda.stream(s):
-        torch.cuda._sleep(50_000_000)          # ~25 ms of GPU time before the data exists
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the data exists
         x.copy_(src)
         y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
         z = drvsoftmax.scaled_masked_softmax_backward(y, y, scale=1.0)
@@ -233,7 +245,7 @@ def test_threads_without_a_current_context():
 
     def work(_):
         for _ in range(20):
-            y = drvsoftmax.scaled_masked_softmax(x)   # NULL stream, fresh thread
+            y = drvsoftmax.scaled_masked_softmax(x)  # NULL stream, fresh thread
             s = torch.cuda.Stream()
             y2 = drvsoftmax.scaled_masked_softmax(x, stream=s)
             s.synchronize()
@@ -271,8 +283,12 @@ def test_tensor_on_another_device_than_current():
             for _ in range(10):
                 yi = drvsoftmax.scaled_masked_softmax(xi, scale=0.5)
                 torch.cuda.synchronize(dev)
-                assert_matches(yi.float().cpu().numpy(),
-                               _reference.softmax_forward(xi.float().cpu().numpy(), None, 0.5), "float16", "thr")
+                assert_matches(
+                    yi.float().cpu().numpy(),
+                    _reference.softmax_forward(xi.float().cpu().numpy(), None, 0.5),
+                    "float16",
+                    "thr",
+                )
 
     errors = run_in_threads(work, 4)
     assert not errors, errors
@@ -282,7 +298,11 @@ def test_tensor_on_another_device_than_current():
 def test_data_parallel_step_matches_single_process():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs: examples/ddp_attention.py runs one process per GPU")
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "ddp_attention.py")], capture_output=True,
-                       text=True, timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(ROOT),
-                                                    "NCCL_NVLS_ENABLE": "0"})
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ddp_attention.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
