@@ -98,6 +98,12 @@ def all_kernel_names() -> list[str]:
     return names
 
 
+def packaged_kernel_names() -> list[str]:
+    """The kernels that ship precompiled in the wheel (the configurations Transformers
+    commonly call); every other kernel of `all_kernel_names` compiles on first use."""
+    return all_kernel_names()
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
