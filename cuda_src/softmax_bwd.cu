@@ -1,179 +1,189 @@
 // drvsoftmax backward: dx = scale * y * (dy - sum(dy * y)) over the last axis.
 //
-// Same tiers as the forward: smx_bwd_reg<T, NCH> keeps y and dy of a row in registers,
-// smx_bwd_loop<T> takes a block per row and reads the row twice.  Positions where y == 0
-// (hidden keys, fully hidden rows) get exactly 0.  dy and y are only read.
+// The forward's skeleton without a mask: LOAD every chunk of dy and y a thread owns, raw;
+// the row's dot product; STORE dx.  Positions where y == 0 (hidden keys, fully hidden
+// rows) get exactly 0.  dy and y are only read.
+//   smx_bwd<T, NCH, RPT>   a row in registers (tpr threads x NCH chunks, RPT rows each)
+//   smx_bwd_loop<T, NCH>   a block per row, any length: the dot product, then a pass
+//                          that reloads and writes.
 #include "softmax_common.cuh"
 
-struct BwdParams {
-  RowGeom g;               // operands: 0 dy, 1 y, 2 dx
-  smx_i64 sdy, sy, sdx;    // element strides along the row
-  int sk;                  // row length (< 2^31, checked on the host)
-  float scale;
-  int flags;               // SMX_B_VEC
-  int tpr_log2;
+template <typename T> struct BwdRow {
+  const T* dy;
+  const T* y;
+  T* dx;
+  int ofs;   // as FwdRow::ofs
+  bool act;
 };
 
-#define SMX_B_VEC 8
-
 template <typename T>
-__device__ __forceinline__ void smx_load_plain(float (&v)[Chunk<T>::N], const T* row, smx_i64 st,
-                                               int sk, int flags, int c) {
+__device__ __forceinline__ BwdRow<T> smx_bwd_row(const T* dy, const T* y, T* dx, const SmxBwdParams& p,
+                                                 smx_i64 row) {
+  BwdRow<T> r;
+  r.dy = dy;
+  r.y = y;
+  r.dx = dx;
+  r.ofs = 0;
+  r.act = row < p.rows;
+  if (!r.act) return r;
+  const bool small = (p.flags & SMX_F_SMALL) != 0;
+  r.dy = dy + smx_row_offset(p.map_dy, row, small);
+  r.y = y + smx_row_offset(p.map_y, row, small);
+  r.dx = dx + smx_row_offset(p.map_dx, row, small);
+  if (p.flags & SMX_F_VEC) r.ofs = (int)(((smx_u64)r.y & 15) / sizeof(T));
+  return r;
+}
+
+// One chunk of a row (elements j0 .. j0 + N - 1), raw; element-wise where it is not a
+// whole aligned chunk inside the row.
+template <typename T>
+__device__ __forceinline__ void smx_load_chunk(Chunk<T>& ch, const T* row, smx_i64 st, int j0, int sk, bool vec) {
   enum { N = Chunk<T>::N };
-  const int j0 = c * N;
-  if ((flags & SMX_B_VEC) && j0 + N <= sk) {
-    Chunk<T> ch;
-    ch.raw = __ldg((const uint4*)(row + j0));
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = smx_to_f32(ch.e[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = (j0 + e < sk) ? smx_to_f32(row[(smx_i64)(j0 + e) * st]) : 0.0f;
+  if (vec && j0 >= 0 && j0 + N <= sk) {
+    ch.raw = smx_ld16(row + j0);
+  } else if (j0 < sk && j0 + N > 0) {
+    smx_gather<sizeof(T), 4>(ch.w, row, st, j0, sk, N);
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void smx_bwd_store(T* row, smx_i64 st, int sk, int flags,
-                                              int c, const float (&o)[Chunk<T>::N]) {
+template <typename T, int NCH, int RPT>
+__device__ __forceinline__ void smx_bwd_load(Chunk<T> (&cd)[RPT][NCH], Chunk<T> (&cy)[RPT][NCH],
+                                             const BwdRow<T> (&rw)[RPT], int c0, int tpr, const SmxBwdParams& p) {
   enum { N = Chunk<T>::N };
-  const int j0 = c * N;
-  if ((flags & SMX_B_VEC) && j0 + N <= sk) {
-    Chunk<T> ch;
-    smx_pack_chunk<T>(ch, o);
-    *(uint4*)(row + j0) = ch.raw;
-  } else {
+  const bool vec = (p.flags & SMX_F_VEC) != 0;
 #pragma unroll
-    for (int e = 0; e < N; ++e)
-      if (j0 + e < sk) row[(smx_i64)(j0 + e) * st] = smx_from_f32<T>(o[e]);
+  for (int r = 0; r < RPT; ++r) {
+    const int sk = rw[r].act ? p.sk : 0;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      smx_load_chunk<T>(cd[r][k], rw[r].dy, p.sdy, j0, sk, vec);
+      smx_load_chunk<T>(cy[r][k], rw[r].y, p.sy, j0, sk, vec);
+    }
   }
 }
 
-__device__ __forceinline__ float smx_bwd_out(float yv, float dyv, float dot, float scale) {
-  return yv == 0.0f ? 0.0f : scale * yv * (dyv - dot);
-}
-
-// Short rows (at most 32 chunks): one chunk per thread, R rows per thread at once.
-template <typename T, int R>
-__global__ void __launch_bounds__(128)
-smx_bwd_short(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
-              const BwdParams p) {
+// Each row's partial dot product of dy and y over this thread's chunks (0 outside the row).
+template <typename T, int NCH, int RPT>
+__device__ __forceinline__ void smx_bwd_dot(float (&dot)[RPT], const Chunk<T> (&cd)[RPT][NCH],
+                                            const Chunk<T> (&cy)[RPT][NCH], const BwdRow<T> (&rw)[RPT], int c0,
+                                            int tpr, int sk_) {
   enum { N = Chunk<T>::N };
-  const int tpr_log2 = p.tpr_log2;  // <= 5
-  const int rpb = blockDim.x >> tpr_log2;
-  const int sub = threadIdx.x >> tpr_log2;
-  const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
-  const bool has = lane * N < p.sk;
-  const smx_i64 step = (smx_i64)rpb * R;
-  for (smx_i64 base = (smx_i64)blockIdx.x * step; base < p.g.rows; base += (smx_i64)gridDim.x * step) {
-    float vy[R][N], vd[R][N];
-    smx_i64 xoff[R];
-    bool act[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const smx_i64 row = base + (smx_i64)r * rpb + sub;
-      act[r] = has && row < p.g.rows;
-      xoff[r] = 0;
-      if (act[r]) {
-        smx_i64 off[SMX_NOP];
-        smx_row_offsets(p.g, row, off);
-        xoff[r] = off[2];
-        smx_load_plain<T>(vd[r], dy + off[0], p.sdy, p.sk, p.flags, lane);
-        smx_load_plain<T>(vy[r], y + off[1], p.sy, p.sk, p.flags, lane);
-      } else {
+  for (int r = 0; r < RPT; ++r) {
+    const int sk = rw[r].act ? sk_ : 0;
+    dot[r] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < N; ++e) vd[r][e] = vy[r][e] = 0.0f;
+    for (int k = 0; k < NCH; ++k) {
+      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const bool full = j0 >= 0 && j0 + N <= sk;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const int j = j0 + e;
+        const bool in = full || (j >= 0 && j < sk);
+        dot[r] = fmaf(in ? smx_to_f32(cd[r][k].e[e]) : 0.0f, in ? smx_to_f32(cy[r][k].e[e]) : 0.0f, dot[r]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int e = 0; e < N; ++e) dot += vd[r][e] * vy[r][e];
-      dot = smx_warp_reduce<OpSum>(dot, tpr_log2);
-#pragma unroll
-      for (int e = 0; e < N; ++e) vd[r][e] = smx_bwd_out(vy[r][e], vd[r][e], dot, p.scale);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (act[r]) smx_bwd_store<T>(dx + xoff[r], p.sdx, p.sk, p.flags, lane, vd[r]);
   }
+}
+
+// dx of this thread's chunks, converting dy and y again from the raw chunks.
+template <typename T, int NCH, int RPT>
+__device__ __forceinline__ void smx_bwd_store(const Chunk<T> (&cd)[RPT][NCH], const Chunk<T> (&cy)[RPT][NCH],
+                                              const float (&dot)[RPT], const BwdRow<T> (&rw)[RPT], int c0, int tpr,
+                                              const SmxBwdParams& p) {
+  enum { N = Chunk<T>::N };
+  const bool vec = (p.flags & SMX_F_VEC) != 0;
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    if (!rw[r].act) continue;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      float o[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const float yv = smx_to_f32(cy[r][k].e[e]);
+        o[e] = yv == 0.0f ? 0.0f : p.scale * yv * (smx_to_f32(cd[r][k].e[e]) - dot[r]);
+      }
+      Chunk<T> ch;
+      ch.raw = smx_pack_chunk<T>(o);
+      if (vec && j0 >= 0 && j0 + N <= p.sk) {
+        smx_st16(rw[r].dx + j0, ch.raw);
+      } else if (j0 < p.sk && j0 + N > 0) {
+        smx_scatter<sizeof(T), 4>(rw[r].dx, p.sdx, ch.w, j0, p.sk, N);
+      }
+    }
+  }
+}
+
+// Sum of each row over all its threads (every lane of the row gets it).
+template <int RPT>
+__device__ __forceinline__ void smx_row_sum(float (&v)[RPT], int tpr, float (*red)[SMX_BLOCK / 32]) {
+  smx_warp_allreduce<OpSum, RPT>(v, tpr);
+  if (tpr <= 32) return;
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) red[r][warp] = v[r];
+  }
+  __syncthreads();
+  const int wpr = tpr >> 5;
+  const int first = warp & ~(wpr - 1);
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    float t = red[r][first];
+#pragma unroll
+    for (int i = 1; i < SMX_BLOCK / 32; ++i)
+      if (i < wpr) t += red[r][first + i];
+    v[r] = t;
+  }
+}
+
+template <typename T, int NCH, int RPT>
+__global__ void __launch_bounds__(SMX_BLOCK)
+smx_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
+  enum { N = Chunk<T>::N };
+  __shared__ float red[RPT][SMX_BLOCK / 32];
+  const int tl = p.tpr_log2;
+  const int tpr = 1 << tl;
+  const int lane = threadIdx.x & (tpr - 1);
+  const int rpb = blockDim.x >> tl;
+  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + (threadIdx.x >> tl);
+  BwdRow<T> rw[RPT];
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) rw[r] = smx_bwd_row<T>(dy, y, dx, p, row0 + (smx_i64)r * rpb);
+  Chunk<T> cd[RPT][NCH], cy[RPT][NCH];
+  smx_bwd_load<T, NCH, RPT>(cd, cy, rw, lane, tpr, p);
+  float dot[RPT];
+  smx_bwd_dot<T, NCH, RPT>(dot, cd, cy, rw, lane, tpr, p.sk);
+  smx_row_sum<RPT>(dot, tpr, red);
+  smx_bwd_store<T, NCH, RPT>(cd, cy, dot, rw, lane, tpr, p);
 }
 
 template <typename T, int NCH>
-__global__ void __launch_bounds__(1024)
-smx_bwd_reg(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
-            const BwdParams p) {
+__global__ void __launch_bounds__(SMX_BLOCK)
+smx_bwd_loop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
   enum { N = Chunk<T>::N };
-  __shared__ float red[32];
-  const int tpr_log2 = p.tpr_log2;
-  const int rpb = blockDim.x >> tpr_log2;
-  const int sub = threadIdx.x >> tpr_log2;
-  const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
-  const int nch = (p.sk + N - 1) / N;
-  for (smx_i64 base = (smx_i64)blockIdx.x * rpb; base < p.g.rows;
-       base += (smx_i64)gridDim.x * rpb) {
-    const smx_i64 row = base + sub;
-    const bool active = row < p.g.rows;
-    smx_i64 off[SMX_NOP];
-    if (active) smx_row_offsets(p.g, row, off);
-    float vy[NCH][N], vd[NCH][N];
-    float dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c = (k << tpr_log2) + lane;
-      if (active && c < nch) {
-        smx_load_plain<T>(vd[k], dy + off[0], p.sdy, p.sk, p.flags, c);
-        smx_load_plain<T>(vy[k], y + off[1], p.sy, p.sk, p.flags, c);
-      } else {
-#pragma unroll
-        for (int e = 0; e < N; ++e) vd[k][e] = vy[k][e] = 0.0f;
-      }
-#pragma unroll
-      for (int e = 0; e < N; ++e) dot += vd[k][e] * vy[k][e];
-    }
-    dot = smx_row_reduce<OpSum>(dot, tpr_log2, red);
-    if (active) {
-#pragma unroll
-      for (int k = 0; k < NCH; ++k) {
-        const int c = (k << tpr_log2) + lane;
-        if (c < nch) {
-          float o[N];
-#pragma unroll
-          for (int e = 0; e < N; ++e) o[e] = smx_bwd_out(vy[k][e], vd[k][e], dot, p.scale);
-          smx_bwd_store<T>(dx + off[2], p.sdx, p.sk, p.flags, c, o);
-        }
-      }
-    }
+  __shared__ float red[1][SMX_BLOCK / 32];
+  const int tpr = blockDim.x;
+  const int lane = threadIdx.x;
+  BwdRow<T> rw[1];
+  rw[0] = smx_bwd_row<T>(dy, y, dx, p, (smx_i64)blockIdx.x);
+  const int seg = NCH * tpr;
+  const int nall = (p.sk + rw[0].ofs + N - 1) / N;
+  float dot[1] = {0.0f};
+  for (int c0 = 0; c0 < nall; c0 += seg) {
+    Chunk<T> cd[1][NCH], cy[1][NCH];
+    float t[1];
+    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p);
+    smx_bwd_dot<T, NCH, 1>(t, cd, cy, rw, c0 + lane, tpr, p.sk);
+    dot[0] += t[0];
   }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(1024)
-smx_bwd_loop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
-             const BwdParams p) {
-  enum { N = Chunk<T>::N };
-  __shared__ float red[32];
-  const int tpr_log2 = 31 - __clz(blockDim.x);
-  const int nch = (p.sk + N - 1) / N;
-  for (smx_i64 row = blockIdx.x; row < p.g.rows; row += gridDim.x) {
-    smx_i64 off[SMX_NOP];
-    smx_row_offsets(p.g, row, off);
-    float dot = 0.0f;
-    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
-      float a[N], b[N];
-      smx_load_plain<T>(a, dy + off[0], p.sdy, p.sk, p.flags, c);
-      smx_load_plain<T>(b, y + off[1], p.sy, p.sk, p.flags, c);
-#pragma unroll
-      for (int e = 0; e < N; ++e) dot += a[e] * b[e];
-    }
-    dot = smx_row_reduce<OpSum>(dot, tpr_log2, red);
-    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
-      float a[N], b[N], o[N];
-      smx_load_plain<T>(a, dy + off[0], p.sdy, p.sk, p.flags, c);
-      smx_load_plain<T>(b, y + off[1], p.sy, p.sk, p.flags, c);
-#pragma unroll
-      for (int e = 0; e < N; ++e) o[e] = smx_bwd_out(b[e], a[e], dot, p.scale);
-      smx_bwd_store<T>(dx + off[2], p.sdx, p.sk, p.flags, c, o);
-    }
+  smx_row_sum<1>(dot, tpr, red);
+  for (int c0 = 0; c0 < nall; c0 += seg) {
+    Chunk<T> cd[1][NCH], cy[1][NCH];
+    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p);
+    smx_bwd_store<T, NCH, 1>(cd, cy, dot, rw, c0 + lane, tpr, p);
   }
 }

@@ -4,27 +4,23 @@
 // toolkit or a wheel of another version is a source of breakage.  Everything below is
 // plain C++ plus a few lines of inline PTX.
 //
-// Layout model.  A tensor of shape [..., Sk] is a set of rows.  The leading dims are
-// merged on the host where every operand allows it and passed as `RowGeom`: the sizes of
-// at most SMX_MAXD leading dims (innermost last) and, for each operand, its element
-// stride along each of them (0 where the operand is broadcast).  The kernel turns a row
-// number into one element offset per operand.  Operands that are not tensors use the
-// same mechanism: key_lengths is an operand with stride 1 along dim 0, the query index
-// of the causal mask is an operand with stride 1 along dim -2.
+// The kernel skeleton (softmax_fwd.cu, softmax_bwd.cu) works on 16-byte chunks of a row:
+// a thread owns NCH chunks of each of RPT rows.  It first issues every load of all its
+// chunks (raw bits into registers, no use in between), then converts and computes, then
+// stores.  Threads per row, chunks per thread and rows per thread are what the planner
+// picks (drvsoftmax/_plan.py); NCH and RPT are template parameters so that every loop
+// unrolls and every array stays in registers.
 #pragma once
 
-#define SMX_MAXD 6
-#define SMX_NOP 5
+#include "softmax_params.cuh"
 
 typedef unsigned char smx_u8;
 typedef unsigned short smx_u16;
-typedef unsigned int smx_u32;
 typedef unsigned long long smx_u64;
-typedef long long smx_i64;
 
 #define SMX_INF (__int_as_float(0x7f800000))
-#define SMX_NAN (__int_as_float(0x7fffffff))
 #define SMX_LOG2E 1.4426950408889634f
+#define SMX_BLOCK 256  // the largest block any kernel is launched with
 
 // Storage types.  Distinct structs so that templates can tell fp16 from bf16.
 struct smx_f16 { smx_u16 bits; };
@@ -37,9 +33,7 @@ __device__ __forceinline__ float smx_to_f32(smx_f16 v) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
   return f;
 }
-__device__ __forceinline__ float smx_to_f32(smx_bf16 v) {
-  return __uint_as_float(((smx_u32)v.bits) << 16);
-}
+__device__ __forceinline__ float smx_to_f32(smx_bf16 v) { return __uint_as_float(((smx_u32)v.bits) << 16); }
 
 template <typename T> __device__ __forceinline__ T smx_from_f32(float v);
 template <> __device__ __forceinline__ float smx_from_f32<float>(float v) { return v; }
@@ -69,147 +63,8 @@ __device__ __forceinline__ float smx_exp2(float x) {
   return r;
 }
 
-// Load B bytes from a B-aligned address as plain words (B = 4, 8, 16, 32 or 64).
-template <int B> struct Bytes { smx_u32 w[B / 4]; };
-template <int B> __device__ __forceinline__ void smx_load_bytes(Bytes<B>& dst, const void* p) {
-  if (B >= 16) {
-#pragma unroll
-    for (int i = 0; i < B / 16; ++i) {
-      uint4 v = ((const uint4*)p)[i];
-      dst.w[4 * i] = v.x; dst.w[4 * i + 1] = v.y; dst.w[4 * i + 2] = v.z; dst.w[4 * i + 3] = v.w;
-    }
-  } else if (B == 8) {
-    uint2 v = *(const uint2*)p;
-    dst.w[0] = v.x; dst.w[1] = v.y;
-  } else {
-    dst.w[0] = *(const smx_u32*)p;
-  }
-}
-
 // ---------------------------------------------------------------------------------
-// Mask sources, as LOAD modifiers.  `apply` takes a scaled score and the mask value of
-// its position and returns the biased score; a hidden position becomes -inf.  `load`
-// reads the mask value at element i of a mask row; `load_vec` reads N consecutive ones
-// from an aligned address in as few accesses as possible.
-struct MaskNone {
-  typedef smx_u8 S;
-  enum { PRESENT = 0 };
-  static __device__ __forceinline__ float apply(float v, S) { return v; }
-};
-// Boolean / integer masks of any width: nonzero hides.
-template <typename S_> struct MaskHide {
-  typedef S_ S;
-  enum { PRESENT = 1 };
-  static __device__ __forceinline__ float apply(float v, S m) { return m != 0 ? -SMX_INF : v; }
-};
-// Additive floating masks: added after scaling; -inf hides.
-template <typename S_> struct MaskAdd {
-  typedef S_ S;
-  enum { PRESENT = 1 };
-  static __device__ __forceinline__ float apply(float v, S m) { return v + smx_to_f32(m); }
-};
-
-// Mask values of elements j0 .. j0+N-1 of a mask row.  `vec`: the N values are
-// contiguous and aligned (one access); else element-wise, reading only the first `cnt`.
-template <class M, int N>
-__device__ __forceinline__ void smx_mask_load(typename M::S (&m)[N], const typename M::S* row, int j0,
-                                              smx_i64 sm, bool vec, int cnt) {
-  typedef typename M::S S;
-  if (!M::PRESENT) return;
-  if (vec) {
-    union { Bytes<N * sizeof(S)> b; S e[N]; } u;
-    smx_load_bytes<N * sizeof(S)>(u.b, row + j0);
-#pragma unroll
-    for (int e = 0; e < N; ++e) m[e] = u.e[e];
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) m[e] = e < cnt ? row[(smx_i64)(j0 + e) * sm] : S();
-  }
-}
-
-// ---------------------------------------------------------------------------------
-struct RowGeom {
-  smx_i64 rows;                       // number of rows
-  smx_i64 size[SMX_MAXD];             // leading dims, innermost last
-  smx_i64 stride[SMX_NOP][SMX_MAXD];  // per operand, in elements
-  smx_u32 mul[SMX_MAXD];              // q = umulhi(r, mul) >> shr  ==  r / size (r < 2^31)
-  smx_u32 shr[SMX_MAXD];
-  int ndim;                           // used entries of size/stride
-  int small;                          // the row count and every size are below 2^31
-};
-
-// Element offsets of one row for every operand.  The outermost dim needs no division:
-// what is left of the row number is its index.
-__device__ __forceinline__ void smx_row_offsets(const RowGeom& g, smx_i64 row,
-                                                smx_i64 (&off)[SMX_NOP]) {
-#pragma unroll
-  for (int k = 0; k < SMX_NOP; ++k) off[k] = 0;
-  if (g.small) {
-    smx_u32 r = (smx_u32)row;
-    for (int d = g.ndim - 1; d > 0; --d) {
-      const smx_u32 q = __umulhi(r, g.mul[d]) >> g.shr[d];
-      const smx_u32 i = r - q * (smx_u32)g.size[d];
-      r = q;
-#pragma unroll
-      for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)i * g.stride[k][d];
-    }
-    if (g.ndim > 0) {
-#pragma unroll
-      for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)r * g.stride[k][0];
-    }
-  } else {
-    smx_u64 r = (smx_u64)row;
-    for (int d = g.ndim - 1; d > 0; --d) {
-      const smx_u64 n = (smx_u64)g.size[d];
-      const smx_u64 q = r / n;
-      const smx_u64 i = r - q * n;
-      r = q;
-#pragma unroll
-      for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)i * g.stride[k][d];
-    }
-    if (g.ndim > 0) {
-#pragma unroll
-      for (int k = 0; k < SMX_NOP; ++k) off[k] += (smx_i64)r * g.stride[k][0];
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------
-// Reductions over the TPR = 1 << tpr_log2 consecutive threads that share a row.
-// Within a warp by shuffles; across warps through `red` (one slot per warp).  Every
-// thread of the block must call these, active row or not.
-struct OpMax {
-  static __device__ __forceinline__ float f(float a, float b) { return fmaxf(a, b); }
-};
-struct OpSum {
-  static __device__ __forceinline__ float f(float a, float b) { return a + b; }
-};
-
-// Reduction over 1 << w consecutive lanes of a warp (w <= 5).
-template <class Op>
-__device__ __forceinline__ float smx_warp_reduce(float v, int w) {
-  for (int o = (1 << w) >> 1; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-template <class Op>
-__device__ __forceinline__ float smx_row_reduce(float v, int tpr_log2, float* red) {
-  v = smx_warp_reduce<Op>(v, tpr_log2 < 5 ? tpr_log2 : 5);
-  if (tpr_log2 > 5) {
-    const int warp = threadIdx.x >> 5;
-    const int wpr = 1 << (tpr_log2 - 5);
-    __syncthreads();  // earlier readers of `red` are done
-    if ((threadIdx.x & 31) == 0) red[warp] = v;
-    __syncthreads();
-    const int first = warp & ~(wpr - 1);
-    v = red[first];
-    for (int i = 1; i < wpr; ++i) v = Op::f(v, red[first + i]);
-  }
-  return v;
-}
-
-// A chunk is 16 bytes of a row: N elements, loaded with one vector access when the
-// row allows it (unit stride, 16-byte aligned), element by element otherwise.
+// Chunks: 16 bytes of a row, N elements of T, loaded and stored as raw words.
 template <typename T> struct Chunk {
   enum { N = 16 / (int)sizeof(T) };
   union {
@@ -219,34 +74,195 @@ template <typename T> struct Chunk {
   };
 };
 
-// Two floats to two 16-bit values in one instruction where the chip has it (sm_80+).
-template <typename T> __device__ __forceinline__ smx_u32 smx_pack2(float lo, float hi);
-template <> __device__ __forceinline__ smx_u32 smx_pack2<smx_f16>(float lo, float hi) {
+// One 16-byte load that is not kept in L1 (every byte is read once) and asks L2 to
+// fetch the whole 256-byte sector group (sm_80+): rows are read front to back.
+__device__ __forceinline__ uint4 smx_ld16(const void* p) {
+  uint4 v;
 #if __CUDA_ARCH__ >= 800
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+  return v;
+}
+__device__ __forceinline__ void smx_st16(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// B bytes (4, 8, 16, 32 or 64) from a B-aligned address (B < 16) or a 16-aligned one.
+template <int B> struct Bytes { smx_u32 w[B < 4 ? 1 : B / 4]; };
+template <int B> __device__ __forceinline__ void smx_load_bytes(Bytes<B>& dst, const void* p) {
+  if (B >= 16) {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i) {
+      const uint4 v = smx_ld16((const char*)p + 16 * i);
+      dst.w[4 * i] = v.x; dst.w[4 * i + 1] = v.y; dst.w[4 * i + 2] = v.z; dst.w[4 * i + 3] = v.w;
+    }
+  } else if (B == 8) {
+    const uint2 v = __ldg((const uint2*)p);
+    dst.w[0] = v.x; dst.w[1] = v.y;
+  } else if (B == 4) {
+    dst.w[0] = __ldg((const smx_u32*)p);
+  } else {
+    dst.w[0] = B == 2 ? *(const smx_u16*)p : *(const smx_u8*)p;
+  }
+}
+
+// Two floats to two 16-bit values in one instruction where the chip has it (sm_80+).
+template <typename T> __device__ __forceinline__ smx_u32 smx_pack2(float lo, float hi) {
+  return (smx_u32)smx_from_f32<T>(lo).bits | ((smx_u32)smx_from_f32<T>(hi).bits << 16);
+}
+#if __CUDA_ARCH__ >= 800
+template <> __device__ __forceinline__ smx_u32 smx_pack2<smx_f16>(float lo, float hi) {
   smx_u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-#else
-  return (smx_u32)smx_from_f32<smx_f16>(lo).bits | ((smx_u32)smx_from_f32<smx_f16>(hi).bits << 16);
-#endif
 }
 template <> __device__ __forceinline__ smx_u32 smx_pack2<smx_bf16>(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
   smx_u32 r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-#else
-  return (smx_u32)smx_from_f32<smx_bf16>(lo).bits | ((smx_u32)smx_from_f32<smx_bf16>(hi).bits << 16);
-#endif
 }
+#endif
 
-// A chunk of outputs, converted to T.
-template <typename T>
-__device__ __forceinline__ void smx_pack_chunk(Chunk<T>& ch, const float (&o)[Chunk<T>::N]) {
+template <typename T> __device__ __forceinline__ uint4 smx_pack_chunk(const float (&o)[Chunk<T>::N]) {
+  Chunk<T> ch;
 #pragma unroll
   for (int i = 0; i < Chunk<T>::N / 2; ++i) ch.w[i] = smx_pack2<T>(o[2 * i], o[2 * i + 1]);
+  return ch.raw;
 }
-template <> __device__ __forceinline__ void smx_pack_chunk<float>(Chunk<float>& ch, const float (&o)[4]) {
+template <> __device__ __forceinline__ uint4 smx_pack_chunk<float>(const float (&o)[4]) {
+  uint4 v;
+  v.x = __float_as_uint(o[0]);
+  v.y = __float_as_uint(o[1]);
+  v.z = __float_as_uint(o[2]);
+  v.w = __float_as_uint(o[3]);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------
+// Row maps (see softmax_params.cuh): the element offset of a row for one operand.  The
+// term loop is unrolled (kernel parameters must be indexed by constants, or the compiler
+// copies them to local memory) and stops at the used terms: most operands have one or
+// two.  Beyond 2**31 the kernel divides in 64 bits, out of line.
+__device__ __noinline__ smx_u64 smx_divmod64(smx_u64 r, smx_u64 d, smx_u64 m) {
+  const smx_u64 q = r / d;
+  return m ? q % m : q;
+}
+__device__ __forceinline__ smx_i64 smx_row_offset(const SmxRowMap& m, smx_i64 row, bool small) {
+  smx_i64 off = 0;
+  const smx_u32 r = (smx_u32)row;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) ch.e[i] = o[i];
+  for (int t = 0; t < SMX_MAXT; ++t) {
+    if (t >= m.nterms) break;
+    if (small) {
+      smx_u32 q = m.dmul[t] ? __umulhi(r, m.dmul[t]) >> m.dshr[t] : r;
+      if (m.mod[t]) q -= (__umulhi(q, m.mmul[t]) >> m.mshr[t]) * (smx_u32)m.mod[t];
+      off += (smx_i64)q * m.stride[t];
+    } else {
+      off += (smx_i64)smx_divmod64((smx_u64)row, (smx_u64)m.div[t], (smx_u64)m.mod[t]) * m.stride[t];
+    }
+  }
+  return off;
 }
+
+// ---------------------------------------------------------------------------------
+// Element e of a register array of W 32-bit words holding elements of B bytes, with a
+// run-time e (selects over the words, so the array stays in registers).  For the few
+// chunks that are not read or written whole: a row's first and last chunk when rows are
+// not 16-byte aligned, strided rows, mask rows out of step with x's chunks.
+template <int B, int W> __device__ __forceinline__ void smx_put(smx_u32 (&w)[W], int e, smx_u64 v) {
+  const int bit = e * B * 8;
+  const int wi = bit >> 5;
+  const int sh = bit & 31;
+  const smx_u32 lo = B == 8 ? (smx_u32)v : (smx_u32)v << sh;
+  const smx_u32 msk = B >= 4 ? 0xffffffffu : ((1u << (B * 8)) - 1u) << sh;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    if (i == wi) w[i] = (w[i] & ~msk) | (lo & msk);
+    if (B == 8 && i == wi + 1) w[i] = (smx_u32)(v >> 32);
+  }
+}
+template <int B, int W> __device__ __forceinline__ smx_u64 smx_get(const smx_u32 (&w)[W], int e) {
+  const int bit = e * B * 8;
+  const int wi = bit >> 5;
+  const int sh = bit & 31;
+  smx_u64 v = 0;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    if (i == wi) v |= (smx_u64)(w[i] >> sh);
+    if (B == 8 && i == wi + 1) v |= (smx_u64)w[i] << 32;
+  }
+  return B == 8 ? v : v & ((1ull << (B * 8)) - 1ull);
+}
+template <int B> __device__ __forceinline__ smx_u64 smx_read_bits(const void* p) {
+  if (B == 1) return *(const smx_u8*)p;
+  if (B == 2) return *(const smx_u16*)p;
+  if (B == 4) return *(const smx_u32*)p;
+  return *(const smx_u64*)p;
+}
+template <int B> __device__ __forceinline__ void smx_write_bits(void* p, smx_u64 v) {
+  if (B == 1) *(smx_u8*)p = (smx_u8)v;
+  if (B == 2) *(smx_u16*)p = (smx_u16)v;
+  if (B == 4) *(smx_u32*)p = (smx_u32)v;
+  if (B == 8) *(smx_u64*)p = v;
+}
+// Elements j0 + e (e < n) of a row with element stride st, those with 0 <= j < lim only,
+// into a word array; the others are left as they were.
+template <int B, int W>
+__device__ __forceinline__ void smx_gather(smx_u32 (&w)[W], const void* row, smx_i64 st, int j0, int lim, int n) {
+#pragma unroll 1
+  for (int e = 0; e < n; ++e) {
+    const int j = j0 + e;
+    if (j >= 0 && j < lim) smx_put<B, W>(w, e, smx_read_bits<B>((const char*)row + (smx_i64)j * st * B));
+  }
+}
+template <int B, int W>
+__device__ __forceinline__ void smx_scatter(void* row, smx_i64 st, const smx_u32 (&w)[W], int j0, int lim, int n) {
+#pragma unroll 1
+  for (int e = 0; e < n; ++e) {
+    const int j = j0 + e;
+    if (j >= 0 && j < lim) smx_write_bits<B>((char*)row + (smx_i64)j * st * B, smx_get<B, W>(w, e));
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Reductions over the threads of a row.  Rows of up to 32 threads live in one warp
+// (lanes aligned to the row width); wider rows span whole warps and finish with one
+// exchange through shared memory.
+struct OpMax {
+  static __device__ __forceinline__ float f(float a, float b) { return fmaxf(a, b); }
+};
+struct OpSum {
+  static __device__ __forceinline__ float f(float a, float b) { return a + b; }
+};
+
+// All-reduce of R independent values over the min(tpr, 32) lanes of a row within a warp.
+template <class Op, int R>
+__device__ __forceinline__ void smx_warp_allreduce(float (&v)[R], int tpr) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (o < tpr) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) v[r] = Op::f(v[r], __shfl_xor_sync(0xffffffffu, v[r], o));
+    }
+  }
+}
+
+// Softmax statistics of a row: the max m (-inf if nothing is visible) and the sum s of
+// exp(v - m_use) with m_use = m, or 0 where m is -inf (then every term is 0).
+// Combining two partial pairs: the larger max wins, the other sum is rescaled.  A pair
+// with s == 0 (nothing visible) contributes nothing, whatever its max.  NaN (from a NaN
+// or +inf score) propagates through s.
+__device__ __forceinline__ float smx_max_use(float m) { return m == -SMX_INF ? 0.0f : m; }
+__device__ __forceinline__ void smx_pair_merge(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  const float mu = smx_max_use(mm);
+  const float a = s == 0.0f ? 0.0f : s * smx_exp2((smx_max_use(m) - mu) * SMX_LOG2E);
+  const float b = s2 == 0.0f ? 0.0f : s2 * smx_exp2((smx_max_use(m2) - mu) * SMX_LOG2E);
+  m = mm;
+  s = a + b;
+}
+// 1/sum, or 0 for a row with no visible key (every numerator is 0 then).
+__device__ __forceinline__ float smx_inv_sum(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }

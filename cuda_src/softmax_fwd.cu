@@ -1,275 +1,316 @@
 // drvsoftmax forward: y = softmax(x * scale + bias) over the last axis.
 //
-// One row softmax, two tiers that differ only in where the row lives:
-//   smx_fwd_reg<T, M, NCH>: the row sits in registers, NCH chunks of 16 bytes per
-//       thread, TPR threads per row (a power of two from 1 to 1024, chosen on the host).
-//   smx_fwd_loop<T, M>:     a block per row, any length: an online max/sum pass, then a
-//       pass that recomputes and writes.
-// LOAD = read x, scale, apply the mask source M and the prefix limit (causal and
-// key_lengths: only keys j < limit are visible, and nothing beyond it is read).
-// STORE = exp(v - max) / sum, converted to T.  A row whose biased scores contain NaN or
-// +inf is NaN throughout (as torch.softmax); a row with no visible key is all zeros.
+// One skeleton, three steps per tile of chunks (see softmax_common.cuh):
+//   LOAD   every 16-byte chunk of x (and the mask's matching bytes) a thread owns, raw,
+//          all in flight together; keys at or beyond the row's visible prefix (causal,
+//          key_lengths) are never read;
+//   VALUES convert, scale, apply the mask source M; hidden keys become -inf;
+//   STORE  exp(v - max) / sum, converted to T.
+// A row whose biased scores contain NaN or +inf is NaN throughout (as torch.softmax); a
+// row with no visible key is all zeros.  Score modifiers are steps of VALUES.
+//
+// Kernels:
+//   smx_fwd<T, M, NCH, RPT>   a row in registers: tpr threads (1..256) x NCH chunks, RPT
+//                             rows per thread.  Up to NCH * 256 chunks per row.
+//   smx_fwd_loop<T, M, NCH>   a block per row, any length: a pass for (max, sum), a pass
+//                             that reloads and writes.
+// Unaligned rows (odd Sk) keep 16-byte accesses: chunks follow the 16-byte grid of the
+// address space, and only a row's first and last chunk are accessed element-wise.
 #include "softmax_common.cuh"
 
-struct FwdParams {
-  RowGeom g;             // operands: 0 x, 1 y, 2 mask, 3 key_lengths, 4 query index
-  smx_i64 sx, sy, sm;    // element strides along the row
-  smx_i64 causal_shift;  // Sk - Sq: query i sees keys j <= i + shift
-  int sk;                // row length (< 2^31, checked on the host)
-  float scale;
-  int flags;             // SMX_F_*
-  int tpr_log2;          // register tier: log2(threads per row)
+// A mask row's N values of one chunk, as raw bytes.
+template <class M, int N> struct MaskChunk {
+  typedef typename M::S S;
+  union {
+    Bytes<N * (int)sizeof(S)> b;
+    S e[N];
+  };
 };
 
-#define SMX_F_CAUSAL 1
-#define SMX_F_KLEN 2
-#define SMX_F_KLEN64 4
-#define SMX_F_VEC 8    // x and y: unit stride, 16-byte aligned rows
-#define SMX_F_MVEC 16  // mask: unit stride, rows aligned to a chunk's worth of mask bytes
+// Mask sources, as steps of VALUES.  `apply` takes a scaled score and the mask value of
+// its position and returns the biased score; a hidden position becomes -inf.
+struct MaskNone {
+  typedef smx_u8 S;
+  enum { PRESENT = 0 };
+  static __device__ __forceinline__ float apply(float v, S) { return v; }
+};
+// Boolean / integer masks of any width: nonzero hides.
+template <typename S_> struct MaskHide {
+  typedef S_ S;
+  enum { PRESENT = 1 };
+  static __device__ __forceinline__ float apply(float v, S m) { return m != 0 ? -SMX_INF : v; }
+};
+// Additive floating masks: added after scaling; -inf hides.
+template <typename S_> struct MaskAdd {
+  typedef S_ S;
+  enum { PRESENT = 1 };
+  static __device__ __forceinline__ float apply(float v, S m) { return v + smx_to_f32(m); }
+};
 
-// Number of leading keys of this row that may be visible, in [0, sk].
-__device__ __forceinline__ int smx_fwd_limit(const FwdParams& p, const void* klen,
-                                             const smx_i64 (&off)[SMX_NOP]) {
+// What a thread knows about one of its rows.
+template <typename T, class M> struct FwdRow {
+  const T* x;
+  T* y;
+  const typename M::S* m;
+  int lim;    // keys j < lim may be visible (causal, key_lengths); 0 for a row past the end
+  int ofs;    // elements of the row before its first 16-byte boundary, negated: chunk c
+              // starts at element c * N - ofs
+  bool mvec;  // the mask row can be read a chunk at a time
+};
+
+template <typename T, class M>
+__device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void* mask, const void* klen,
+                                                    const SmxFwdParams& p, smx_i64 row) {
+  typedef typename M::S S;
+  enum { N = Chunk<T>::N };
+  FwdRow<T, M> r;
+  r.x = x;
+  r.y = y;
+  r.m = (const S*)mask;
+  r.lim = 0;
+  r.ofs = 0;
+  r.mvec = false;
+  if (row >= p.rows) return r;
+  const bool small = (p.flags & SMX_F_SMALL) != 0;
+  r.x = x + smx_row_offset(p.map_x, row, small);
+  r.y = y + smx_row_offset(p.map_y, row, small);
+  if (p.flags & SMX_F_VEC) r.ofs = (int)(((smx_u64)r.x & 15) / sizeof(T));
+  if (M::PRESENT) {
+    r.m += smx_row_offset(p.map_m, row, small);
+    enum { MB = N * (int)sizeof(S) < 16 ? N * (int)sizeof(S) : 16 };
+    r.mvec = (p.flags & SMX_F_MVEC) && (((smx_u64)(r.m - r.ofs)) & (MB - 1)) == 0;
+  }
   smx_i64 lim = p.sk;
   if (p.flags & SMX_F_KLEN) {
-    smx_i64 n = (p.flags & SMX_F_KLEN64) ? ((const smx_i64*)klen)[off[3]]
-                                          : (smx_i64)((const int*)klen)[off[3]];
+    const smx_i64 k = smx_row_offset(p.map_k, row, small);
+    const smx_i64 n = (p.flags & SMX_F_KLEN64) ? ((const smx_i64*)klen)[k] : (smx_i64)((const int*)klen)[k];
     lim = n < lim ? n : lim;
   }
   if (p.flags & SMX_F_CAUSAL) {
-    smx_i64 n = off[4] + p.causal_shift + 1;
+    const smx_i64 n = smx_row_offset(p.map_q, row, small) + p.causal_shift + 1;
     lim = n < lim ? n : lim;
   }
-  return lim < 0 ? 0 : (int)lim;
+  r.lim = lim < 0 ? 0 : (int)lim;
+  return r;
 }
 
-// LOAD: chunk c (elements c*N .. c*N+N-1) of a row as biased scores x*scale (+) mask,
-// -inf where hidden.  Keys at or beyond `lim` are hidden and never read.
-template <typename T, class M>
-__device__ __forceinline__ void smx_fwd_load_chunk(float (&v)[Chunk<T>::N], const T* xrow,
-                                                   const typename M::S* mrow, const FwdParams& p,
-                                                   int c, int lim) {
+// LOAD: chunks c0 + k * tpr + lane (k < NCH) of each row, raw.
+template <typename T, class M, int NCH, int RPT>
+__device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
+                                             const FwdRow<T, M> (&rw)[RPT], int c0, int tpr,
+                                             const SmxFwdParams& p) {
   enum { N = Chunk<T>::N };
   typedef typename M::S S;
-  const int j0 = c * N;
-  if (j0 >= lim) {
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = -SMX_INF;
-    return;
-  }
-  S m[N];
-  if (j0 + N <= lim) {  // every element visible
-    smx_mask_load<M, N>(m, mrow, j0, p.sm, (p.flags & SMX_F_MVEC) != 0, N);
-    if (p.flags & SMX_F_VEC) {
-      Chunk<T> ch;
-      ch.raw = __ldg((const uint4*)(xrow + j0));
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = M::apply(smx_to_f32(ch.e[e]) * p.scale, m[e]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = M::apply(smx_to_f32(xrow[(smx_i64)(j0 + e) * p.sx]) * p.scale, m[e]);
-    }
-  } else {
-    const int cnt = lim - j0;
-    smx_mask_load<M, N>(m, mrow, j0, p.sm, false, cnt);
-#pragma unroll
-    for (int e = 0; e < N; ++e)
-      v[e] = e < cnt ? M::apply(smx_to_f32(xrow[(smx_i64)(j0 + e) * p.sx]) * p.scale, m[e]) : -SMX_INF;
-  }
-}
-
-// STORE of chunk c; elements at or beyond sk do not exist.
-template <typename T>
-__device__ __forceinline__ void smx_store_chunk(T* yrow, smx_i64 sy, int sk, bool vec, int c,
-                                                const float (&o)[Chunk<T>::N]) {
-  enum { N = Chunk<T>::N };
-  const int j0 = c * N;
-  if (vec && j0 + N <= sk) {
-    Chunk<T> ch;
-    smx_pack_chunk<T>(ch, o);
-    *(uint4*)(yrow + j0) = ch.raw;
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e)
-      if (j0 + e < sk) yrow[(smx_i64)(j0 + e) * sy] = smx_from_f32<T>(o[e]);
-  }
-}
-
-// The row's max in the exp2 domain.  A row with no visible key has max -inf and uses 0,
-// so that every exp2 is of -inf (0) and the sum is 0.  NaN needs no special case: fmaxf
-// skips it, its exp2 is NaN, and so are the sum and the whole row; +inf as the max makes
-// (+inf) - (+inf) NaN the same way.
-__device__ __forceinline__ float smx_max_l2(float mx) { return mx == -SMX_INF ? 0.0f : mx * SMX_LOG2E; }
-// 1/sum, or 0 for a row with no visible key (every numerator is 0 then).
-__device__ __forceinline__ float smx_inv_sum(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
-
-// Short rows (at most 32 chunks): 1..32 threads per row, one chunk each, and every
-// thread takes R rows at once (R chunks of loads in flight before the first reduction).
-template <typename T, class M, int R>
-__global__ void __launch_bounds__(128)
-smx_fwd_short(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
-              const void* __restrict__ klen, const FwdParams p) {
-  enum { N = Chunk<T>::N };
-  typedef typename M::S S;
-  const int tpr_log2 = p.tpr_log2;  // <= 5
-  const int rpb = blockDim.x >> tpr_log2;
-  const int sub = threadIdx.x >> tpr_log2;
-  const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
-  const bool has = lane * N < p.sk;
+  enum { MW = N * (int)sizeof(S) / 4 };  // words of a mask chunk
   const bool vec = (p.flags & SMX_F_VEC) != 0;
-  const smx_i64 step = (smx_i64)rpb * R;
-  for (smx_i64 base = (smx_i64)blockIdx.x * step; base < p.g.rows; base += (smx_i64)gridDim.x * step) {
-    float v[R][N];
-    smx_i64 yoff[R];
-    bool act[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const smx_i64 row = base + (smx_i64)r * rpb + sub;
-      act[r] = has && row < p.g.rows;
-      yoff[r] = 0;
-      if (act[r]) {
-        smx_i64 off[SMX_NOP];
-        smx_row_offsets(p.g, row, off);
-        yoff[r] = off[1];
-        smx_fwd_load_chunk<T, M>(v[r], x + off[0], (const S*)mask + off[2], p, lane, smx_fwd_limit(p, klen, off));
-      } else {
-#pragma unroll
-        for (int e = 0; e < N; ++e) v[r][e] = -SMX_INF;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float mx = v[r][0];
-#pragma unroll
-      for (int e = 1; e < N; ++e) mx = fmaxf(mx, v[r][e]);
-      const float mxl = smx_max_l2(smx_warp_reduce<OpMax>(mx, tpr_log2));
-      float s = 0.0f;
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        v[r][e] = smx_exp2(fmaf(v[r][e], SMX_LOG2E, -mxl));
-        s += v[r][e];
-      }
-      const float inv = smx_inv_sum(smx_warp_reduce<OpSum>(s, tpr_log2));
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[r][e] *= inv;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (act[r]) smx_store_chunk<T>(y + yoff[r], p.sy, p.sk, vec, lane, v[r]);
-  }
-}
-
-template <typename T, class M, int NCH>
-__global__ void __launch_bounds__(1024)
-smx_fwd_reg(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
-            const void* __restrict__ klen, const FwdParams p) {
-  enum { N = Chunk<T>::N };
-  typedef typename M::S S;
-  __shared__ float red[32];
-  const int tpr_log2 = p.tpr_log2;
-  const int rpb = blockDim.x >> tpr_log2;  // rows per block
-  const int sub = threadIdx.x >> tpr_log2;
-  const int lane = threadIdx.x & ((1 << tpr_log2) - 1);
-  const int nch = (p.sk + N - 1) / N;
-  const bool vec = (p.flags & SMX_F_VEC) != 0;
-
-  for (smx_i64 base = (smx_i64)blockIdx.x * rpb; base < p.g.rows;
-       base += (smx_i64)gridDim.x * rpb) {
-    const smx_i64 row = base + sub;
-    const bool active = row < p.g.rows;
-    smx_i64 off[SMX_NOP];
-    int lim = 0;
-    if (active) {
-      smx_row_offsets(p.g, row, off);
-      lim = smx_fwd_limit(p, klen, off);
-    }
-    const T* xrow = x + off[0];
-    const S* mrow = (const S*)mask + off[2];
-    float v[NCH][N];
-    float mx = -SMX_INF;
+  for (int r = 0; r < RPT; ++r) {
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int c = (k << tpr_log2) + lane;
-      if (active && c < nch) {
-        smx_fwd_load_chunk<T, M>(v[k], xrow, mrow, p, c, lim);
-      } else {
-#pragma unroll
-        for (int e = 0; e < N; ++e) v[k][e] = -SMX_INF;
+      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const int lim = rw[r].lim;
+      const bool full = j0 >= 0 && j0 + N <= lim;
+      if (vec && full) {
+        cx[r][k].raw = smx_ld16(rw[r].x + j0);
+      } else if (j0 < lim && j0 + N > 0) {
+        smx_gather<sizeof(T), 4>(cx[r][k].w, rw[r].x, p.sx, j0, lim, N);
       }
-#pragma unroll
-      for (int e = 0; e < N; ++e) mx = fmaxf(mx, v[k][e]);
+      if (M::PRESENT) {
+        if (rw[r].mvec && full) {
+          smx_load_bytes(cm[r][k].b, rw[r].m + j0);
+        } else if (j0 < lim && j0 + N > 0) {
+          smx_gather<sizeof(S), MW>(cm[r][k].b.w, rw[r].m, p.sm, j0, lim, N);
+        }
+      }
     }
-    const float mxl = smx_max_l2(smx_row_reduce<OpMax>(mx, tpr_log2, red));
-    float s = 0.0f;
+  }
+}
+
+// VALUES: biased scores, -inf where hidden; and each row's max over this thread.
+template <typename T, class M, int NCH, int RPT>
+__device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N], float (&mx)[RPT],
+                                               const Chunk<T> (&cx)[RPT][NCH],
+                                               const MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
+                                               const FwdRow<T, M> (&rw)[RPT], int c0, int tpr, float scale) {
+  enum { N = Chunk<T>::N };
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    mx[r] = -SMX_INF;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const int lim = rw[r].lim;
+      const bool full = j0 >= 0 && j0 + N <= lim;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const int j = j0 + e;
+        const bool vis = full || (j >= 0 && j < lim);
+        const float z = M::apply(smx_to_f32(cx[r][k].e[e]) * scale, cm[r][k].e[e]);
+        v[r][k][e] = vis ? z : -SMX_INF;
+        mx[r] = fmaxf(mx[r], v[r][k][e]);
+      }
+    }
+  }
+}
+
+// STORE: y = v * inv (v already exponentiated), every element of the row that exists.
+template <typename T, class M, int NCH, int RPT>
+__device__ __forceinline__ void smx_fwd_store(const float (&v)[RPT][NCH][Chunk<T>::N], const float (&inv)[RPT],
+                                              const FwdRow<T, M> (&rw)[RPT], const bool (&act)[RPT], int c0,
+                                              int tpr, const SmxFwdParams& p) {
+  enum { N = Chunk<T>::N };
+  const bool vec = (p.flags & SMX_F_VEC) != 0;
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    if (!act[r]) continue;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      float o[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) o[e] = v[r][k][e] * inv[r];
+      Chunk<T> ch;
+      ch.raw = smx_pack_chunk<T>(o);
+      if (vec && j0 >= 0 && j0 + N <= p.sk) {
+        smx_st16(rw[r].y + j0, ch.raw);
+      } else if (j0 < p.sk && j0 + N > 0) {
+        smx_scatter<sizeof(T), 4>(rw[r].y, p.sy, ch.w, j0, p.sk, N);
+      }
+    }
+  }
+}
+
+// From the (max, sum) pair of each row's part held by this thread's warp (every lane
+// holds it) to this thread's factor: the output is exp2(v * log2e - max_use(m)) * fac.
+// Rows of at most 32 threads are done; wider rows exchange the warps' pairs once through
+// `red` (RPT x 2 x warps).
+template <int RPT>
+__device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float (&s)[RPT], float (&fac)[RPT],
+                                              int tpr, float (*red)[2][SMX_BLOCK / 32]) {
+  if (tpr <= 32) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) fac[r] = smx_inv_sum(s[r]);
+    return;
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      red[r][0][warp] = m[r];
+      red[r][1][warp] = s[r];
+    }
+  }
+  __syncthreads();
+  const int wpr = tpr >> 5;
+  const int first = warp & ~(wpr - 1);
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    float M = red[r][0][first], S = red[r][1][first];
+#pragma unroll
+    for (int i = 1; i < SMX_BLOCK / 32; ++i)
+      if (i < wpr) smx_pair_merge(M, S, red[r][0][first + i], red[r][1][first + i]);
+    // This warp's terms were taken relative to its own max.
+    const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M)) * SMX_LOG2E);
+    fac[r] = f * smx_inv_sum(S);
+  }
+}
+
+template <typename T, class M, int NCH, int RPT>
+__global__ void __launch_bounds__(SMX_BLOCK)
+smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask, const void* __restrict__ klen,
+        const SmxFwdParams p) {
+  enum { N = Chunk<T>::N };
+  __shared__ float red[RPT][2][SMX_BLOCK / 32];
+  const int tl = p.tpr_log2;
+  const int tpr = 1 << tl;
+  const int lane = threadIdx.x & (tpr - 1);
+  const int rpb = blockDim.x >> tl;
+  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + (threadIdx.x >> tl);
+
+  FwdRow<T, M> rw[RPT];
+  bool act[RPT];
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    const smx_i64 row = row0 + (smx_i64)r * rpb;
+    act[r] = row < p.rows;
+    rw[r] = smx_fwd_row<T, M>(x, y, mask, klen, p, row);
+  }
+  Chunk<T> cx[RPT][NCH];
+  MaskChunk<M, N> cm[RPT][NCH];
+  smx_fwd_load<T, M, NCH, RPT>(cx, cm, rw, lane, tpr, p);
+
+  float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
+  smx_fwd_values<T, M, NCH, RPT>(v, mx, cx, cm, rw, lane, tpr, p.scale);
+  smx_warp_allreduce<OpMax, RPT>(mx, tpr);
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    const float mxl = smx_max_use(mx[r]) * SMX_LOG2E;
+    s[r] = 0.0f;
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        v[k][e] = smx_exp2(fmaf(v[k][e], SMX_LOG2E, -mxl));
-        s += v[k][e];
+        v[r][k][e] = smx_exp2(fmaf(v[r][k][e], SMX_LOG2E, -mxl));
+        s[r] += v[r][k][e];
       }
-    const float inv = smx_inv_sum(smx_row_reduce<OpSum>(s, tpr_log2, red));
-    if (active) {
-      T* yrow = y + off[1];
-#pragma unroll
-      for (int k = 0; k < NCH; ++k) {
-        const int c = (k << tpr_log2) + lane;
-        if (c < nch) {
-          float o[N];
-#pragma unroll
-          for (int e = 0; e < N; ++e) o[e] = v[k][e] * inv;
-          smx_store_chunk<T>(yrow, p.sy, p.sk, vec, c, o);
-        }
-      }
-    }
   }
+  smx_warp_allreduce<OpSum, RPT>(s, tpr);
+  smx_row_stats<RPT>(mx, s, fac, tpr, red);
+  smx_fwd_store<T, M, NCH, RPT>(v, fac, rw, act, lane, tpr, p);
 }
 
-template <typename T, class M>
-__global__ void __launch_bounds__(1024)
+// Rows longer than a block holds: one block per row (blockDim = threads per row), the
+// row in segments of NCH chunks per thread.  Pass 1 keeps a running (max, sum) per
+// thread; pass 2 reloads each segment and writes it.
+template <typename T, class M, int NCH>
+__global__ void __launch_bounds__(SMX_BLOCK)
 smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
-             const void* __restrict__ klen, const FwdParams p) {
+             const void* __restrict__ klen, const SmxFwdParams p) {
   enum { N = Chunk<T>::N };
-  typedef typename M::S S;
-  __shared__ float red[32];
-  const int tpr_log2 = 31 - __clz(blockDim.x);  // one row per block
-  const int nch = (p.sk + N - 1) / N;
-  const bool vec = (p.flags & SMX_F_VEC) != 0;
-  for (smx_i64 row = blockIdx.x; row < p.g.rows; row += gridDim.x) {
-    smx_i64 off[SMX_NOP];
-    smx_row_offsets(p.g, row, off);
-    const int lim = smx_fwd_limit(p, klen, off);
-    const int nvis = (lim + N - 1) / N;  // chunks holding a visible key
-    const T* xrow = x + off[0];
-    const S* mrow = (const S*)mask + off[2];
-    // Pass 1: online max and sum over this thread's chunks.
-    float mx = -SMX_INF, s = 0.0f;
-    for (int c = threadIdx.x; c < nvis; c += blockDim.x) {
-      float v[N];
-      smx_fwd_load_chunk<T, M>(v, xrow, mrow, p, c, lim);
+  __shared__ float red[1][2][SMX_BLOCK / 32];
+  const int tpr = blockDim.x;
+  const int lane = threadIdx.x;
+  FwdRow<T, M> rw[1];
+  const bool act[1] = {true};
+  rw[0] = smx_fwd_row<T, M>(x, y, mask, klen, p, (smx_i64)blockIdx.x);
+  const int seg = NCH * tpr;                                 // chunks per segment
+  const int nvis = (rw[0].lim + rw[0].ofs + N - 1) / N;      // chunks holding a visible key
+  const int nall = (p.sk + rw[0].ofs + N - 1) / N;           // chunks of the row
+
+  float m[1] = {-SMX_INF}, s[1] = {0.0f}, fac[1];
+  for (int c0 = 0; c0 < nvis; c0 += seg) {
+    Chunk<T> cx[1][NCH];
+    MaskChunk<M, N> cm[1][NCH];
+    float v[1][NCH][N], mx[1];
+    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p);
+    smx_fwd_values<T, M, NCH, 1>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
+    const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+    float t = 0.0f;
 #pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const float kv = v[e];
-        if (kv > mx) {
-          s = s * smx_exp2((mx - kv) * SMX_LOG2E) + 1.0f;
-          mx = kv;
-        } else if (kv != -SMX_INF) {  // NaN goes in, and makes the row NaN
-          s += smx_exp2((kv - mx) * SMX_LOG2E);
-        }
-      }
-    }
-    const float rmx = smx_row_reduce<OpMax>(mx, tpr_log2, red);
-    const float part = mx == -SMX_INF ? 0.0f : s * smx_exp2((mx - rmx) * SMX_LOG2E);
-    const float inv = smx_inv_sum(smx_row_reduce<OpSum>(part, tpr_log2, red));
-    const float mxl = smx_max_l2(rmx);
-    // Pass 2: recompute and write every element of the row (hidden ones as 0).
-    T* yrow = y + off[1];
-    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
-      float v[N], o[N];
-      smx_fwd_load_chunk<T, M>(v, xrow, mrow, p, c, lim);
+    for (int k = 0; k < NCH; ++k)
 #pragma unroll
-      for (int e = 0; e < N; ++e) o[e] = smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl)) * inv;
-      smx_store_chunk<T>(yrow, p.sy, p.sk, vec, c, o);
-    }
+      for (int e = 0; e < N; ++e) t += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -mxl));
+    smx_pair_merge(m[0], s[0], mx[0], t);
+  }
+  // Thread pairs -> warp pairs -> row: merge within the warp by shuffles first.
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m[0], o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s[0], o);
+    smx_pair_merge(m[0], s[0], m2, s2);
+  }
+  smx_row_stats<1>(m, s, fac, tpr, red);
+  const float mxl = smx_max_use(m[0]) * SMX_LOG2E;
+  for (int c0 = 0; c0 < nall; c0 += seg) {
+    Chunk<T> cx[1][NCH];
+    MaskChunk<M, N> cm[1][NCH];
+    float v[1][NCH][N], mx[1];
+    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p);
+    smx_fwd_values<T, M, NCH, 1>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
+#pragma unroll
+    for (int k = 0; k < NCH; ++k)
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -mxl));
+    smx_fwd_store<T, M, NCH, 1>(v, fac, rw, act, c0 + lane, tpr, p);
   }
 }

@@ -9,20 +9,16 @@ calls with the same layout only write pointers and launch.
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 from typing import NamedTuple
 
-from . import _plan
+from . import _params, _plan
 from ._errors import arg_type_error, arg_value_error, check
 
-MAXD = 6  # SMX_MAXD in cuda_src/softmax_common.cuh
-NOP = 5  # SMX_NOP
-# struct FwdParams / BwdParams of cuda_src, field for field (checked by the GPU tests).
-_GEOM = "q6q30q6I6Iii"
-FWD_STRUCT = struct.Struct("<" + _GEOM + "4qifii")
-BWD_STRUCT = struct.Struct("<" + _GEOM + "3qifii")
-F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC = 1, 2, 4, 8, 16
+MAXD = _params.MAXT  # leading dims of one operand merge into at most this many terms
+F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC, F_SMALL = (
+    _params.FLAGS[k][0] for k in ("CAUSAL", "KLEN", "KLEN64", "VEC", "MVEC", "SMALL")
+)
 MAX_SK = 2**31 - 1  # row-internal indices are 32-bit in the kernels
 
 MASK_KIND_OF_DTYPE = {
@@ -89,67 +85,87 @@ def broadcast_strides(name: str, shape: tuple, strides: tuple, target: tuple) ->
     return tuple(out)
 
 
-def merge_rows(lead: tuple, op_strides: list) -> tuple[int, list, list]:
-    """Merge the leading dims of every operand where all of them allow it.
+def row_map(lead: tuple, strides: tuple) -> list[tuple[int, int, int]]:
+    """The row map of one operand: terms (div, mod, stride) with
+    offset(row) = sum(((row // div) % mod if mod else row // div) * stride).
 
-    `lead` are the leading sizes of x (all but the last dim); `op_strides` holds one
-    stride tuple per operand over those dims.  Returns (rows, sizes, strides per operand)
-    with size-1 dims dropped and mergeable neighbours fused (innermost last).
+    `lead` are x's leading sizes (all but the last dim, row-major), `strides` the
+    operand's element strides along them (0 where it is broadcast).  Neighbouring dims
+    merge where the operand's strides allow it; dims of size 1 and broadcast dims add
+    nothing and are dropped, so a contiguous operand has one term.
     """
-    rows = 1
-    for n in lead:
-        rows *= n
-    dims = [(n, [s[i] for s in op_strides]) for i, n in enumerate(lead) if n != 1]
-    merged: list = []
-    for n, st in dims:
-        if merged:
-            pn, pst = merged[-1]
-            if all(ps == s * n for ps, s in zip(pst, st)):
-                merged[-1] = (pn * n, st)
-                continue
-        merged.append((n, st))
-    sizes = [n for n, _ in merged]
-    strides = [[st[k] for _, st in merged] for k in range(len(op_strides))]
-    return rows, sizes, strides
+    groups: list[list[int]] = []  # [div, size, stride], innermost first
+    div = 1
+    for n, s in zip(reversed(lead), reversed(strides)):
+        if n == 1:
+            continue
+        if groups and s == groups[-1][2] * groups[-1][1]:
+            groups[-1][1] *= n
+        else:
+            groups.append([div, n, s])
+        div *= n
+    terms = []
+    for i, (d, n, s) in enumerate(groups):
+        if s == 0:
+            continue
+        outermost = i == len(groups) - 1
+        terms.append((d, 0 if outermost else n, s))
+    if len(terms) > MAXD:
+        raise arg_value_error(
+            "x", f"a layout whose leading dims merge into at most {MAXD} per operand", f"{len(terms)} unmergeable dims"
+        )
+    return terms
+
+
+def map_offset(terms: list, row: int) -> int:
+    """offset(row) of a row map, as the kernels compute it (for tests and checks)."""
+    off = 0
+    for d, m, s in terms:
+        q = row // d
+        off += (q % m if m else q) * s
+    return off
 
 
 def magic_divisor(d: int) -> tuple[int, int]:
-    """(mul, shr) with n // d == (n * mul >> 32) >> shr for every 0 <= n < 2**31 and d >= 2
-    (merged dims of size 1 are dropped, so the kernels never divide by 1)."""
+    """(mul, shr) with n // d == (n * mul >> 32) >> shr for every 0 <= n < 2**31 and d >= 2."""
     if d < 2:
         raise ValueError(f"magic_divisor needs d >= 2, got {d}")
     p = 31 + (d - 1).bit_length()
     return -(-(1 << p) // d), p - 32
 
 
-def _geom_fields(rows: int, sizes: list, strides: list) -> list:
-    if len(sizes) > MAXD:
-        raise arg_value_error(
-            "x", f"a layout whose leading dims merge into at most {MAXD}", f"{len(sizes)} unmergeable dims"
-        )
-    nd = len(sizes)
-    pad = MAXD - nd
-    fields = [rows] + sizes + [1] * pad
-    for k in range(NOP):
-        st = strides[k] if k < len(strides) else [0] * nd
-        fields += list(st) + [0] * pad
-    small = rows < 2**31 and all(n < 2**31 for n in sizes)
-    magic = [magic_divisor(n) if small and n > 1 else (0, 0) for n in sizes] + [(0, 0)] * pad
-    return fields + [m for m, _ in magic] + [s for _, s in magic] + [nd, int(small)]
+def _map_fields(prefix: str, terms: list, small: bool) -> dict:
+    f: dict = {f"{prefix}.nterms": len(terms)}
+    f[f"{prefix}.div"] = [d for d, _, _ in terms]
+    f[f"{prefix}.mod"] = [m for _, m, _ in terms]
+    f[f"{prefix}.stride"] = [s for _, _, s in terms]
+    if small:
+        dm = [magic_divisor(d) if d > 1 else (0, 0) for d, _, _ in terms]
+        mm = [magic_divisor(m) if m > 1 else (0, 0) for _, m, _ in terms]
+        f[f"{prefix}.dmul"] = [a for a, _ in dm]
+        f[f"{prefix}.dshr"] = [b for _, b in dm]
+        f[f"{prefix}.mmul"] = [a for a, _ in mm]
+        f[f"{prefix}.mshr"] = [b for _, b in mm]
+    return f
 
 
 def _vector_ok(itemsize: int, ops: list, lead: tuple, n: int | None = None) -> bool:
-    """Chunk-wide accesses (n elements, 16 bytes of x by default) are possible for these
-    operands, alignment of pointers aside: unit stride along the row, and every row
-    starting a whole number of chunks after the first."""
+    """16-byte chunk accesses are possible for these operands (pointers 16-byte aligned):
+    unit stride along the row, and every row either starting on a chunk boundary, or all
+    operands sharing their leading strides (so each row is misaligned alike and only its
+    first and last chunk are accessed element-wise)."""
     n = n or 16 // itemsize
     for op in ops:
         if len(op.shape) and op.shape[-1] > 1 and op.strides[-1] != 1:
             return False
-        for size, st in zip(lead, op.strides[:-1]):
-            if size != 1 and st % n:
-                return False
-    return True
+    return rows_aligned(ops, lead, n) or all(
+        size == 1 or len({op.strides[i] for op in ops}) == 1 for i, size in enumerate(lead)
+    )
+
+
+def rows_aligned(ops: list, lead: tuple, n: int) -> bool:
+    """Every row of every operand starts a whole number of n-element chunks after the first."""
+    return all(size == 1 or st % n == 0 for op in ops for size, st in zip(lead, op.strides[:-1]))
 
 
 def mask_alignment(mask_dtype: str, x_dtype: str) -> int:
@@ -217,76 +233,84 @@ def prepare_forward(
     aligned: bool,
     mask_aligned: bool = False,
 ) -> Prepared:
-    """`aligned`: x and y are 16-byte aligned; `mask_aligned`: the mask pointer is
-    aligned to `mask_alignment(...)` bytes."""
+    """`aligned`: x and y are 16-byte aligned.  (`mask_aligned` is not needed any more:
+    the kernels check each mask row's alignment themselves; kept for callers.)"""
+    values, plan = forward_params(x, y, mask, klen, causal, scale, aligned)
+    return Prepared(dev, plan, _params.FWD.pack(values), 5)
+
+
+def forward_params(
+    x: Operand, y: Operand, mask: Operand | None, klen: Operand | None, causal: bool, scale: float, aligned: bool
+) -> tuple[dict, _plan.LaunchPlan]:
+    """The SmxFwdParams fields (by C name) and the launch plan of a forward."""
     shape = tuple(x.shape)
     lead = shape[:-1]
     sk = shape[-1]
     nd = len(shape)
-    ops = [x.strides[:-1], y.strides[:-1]]
-    flags = 0
-    sm = 0
+    rows = 1
+    for n in lead:
+        rows *= n
+    small = rows < 2**31
+    flags = F_SMALL if small else 0
+    v: dict = {"rows": rows, "sk": sk, "sx": x.strides[-1], "sy": y.strides[-1], "scale": scale}
+    v.update(_map_fields("map_x", row_map(lead, x.strides[:-1]), small))
+    v.update(_map_fields("map_y", row_map(lead, y.strides[:-1]), small))
+    mask_kind = "none"
     if mask is not None:
         mst = broadcast_strides("mask", tuple(mask.shape), tuple(mask.strides), shape)
-        ops.append(mst[:-1])
-        sm = mst[-1]
+        v["sm"] = mst[-1]
+        v.update(_map_fields("map_m", row_map(lead, mst[:-1]), small))
         mask_kind = MASK_KIND_OF_DTYPE[mask.dtype]
-    else:
-        ops.append((0,) * (nd - 1))
-        mask_kind = "none"
+        if mst[-1] == 1:
+            flags |= F_MVEC
     if klen is not None:
-        ops.append((klen.strides[0],) + (0,) * (nd - 2))
+        v.update(_map_fields("map_k", row_map(lead, (klen.strides[0],) + (0,) * (nd - 2)), small))
         flags |= F_KLEN | (F_KLEN64 if klen.dtype == "int64" else 0)
-    else:
-        ops.append((0,) * (nd - 1))
     if causal:
-        ops.append((0,) * (nd - 2) + (1,))
+        v.update(_map_fields("map_q", row_map(lead, (0,) * (nd - 2) + (1,)), small))
+        v["causal_shift"] = sk - shape[-2]
         flags |= F_CAUSAL
-        shift = sk - shape[-2]
-    else:
-        ops.append((0,) * (nd - 1))
-        shift = 0
-    rows, sizes, strides = merge_rows(lead, ops)
     itemsize = _plan.X_DTYPES[x.dtype][1]
     vec = aligned and _vector_ok(itemsize, [x, y], lead)
     if vec:
         flags |= F_VEC
-    if mask is not None and mask_aligned and sm == 1:
-        mop = Operand(0, mask.dtype, shape, mst)
-        if _vector_ok(itemsize, [mop], lead):
-            flags |= F_MVEC
-    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec)
-    packed = FWD_STRUCT.pack(
-        *_geom_fields(rows, sizes, strides),
-        x.strides[-1],
-        y.strides[-1],
-        sm,
-        shift,
-        sk,
-        scale,
-        flags,
-        plan.tpr_log2,
-    )
-    return Prepared(dev, plan, packed, 5)
+    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, rows_aligned([x, y], lead, CHUNK_ELEMS[itemsize]))
+    v["flags"] = flags
+    v["tpr_log2"] = plan.tpr_log2
+    return v, plan
+
+
+CHUNK_ELEMS = {2: 8, 4: 4}
 
 
 def prepare_backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> Prepared:
+    values, plan = backward_params(dy, y, dx, scale, aligned)
+    return Prepared(dev, plan, _params.BWD.pack(values), 4)
+
+
+def backward_params(dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> tuple[dict, _plan.LaunchPlan]:
+    """The SmxBwdParams fields (by C name) and the launch plan of a backward."""
     shape = tuple(y.shape)
     lead = shape[:-1]
-    rows, sizes, strides = merge_rows(lead, [dy.strides[:-1], y.strides[:-1], dx.strides[:-1]])
-    vec = aligned and _vector_ok(_plan.X_DTYPES[y.dtype][1], [dy, y, dx], lead)
-    plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec)
-    packed = BWD_STRUCT.pack(
-        *_geom_fields(rows, sizes, strides),
-        dy.strides[-1],
-        y.strides[-1],
-        dx.strides[-1],
-        shape[-1],
-        scale,
-        F_VEC if vec else 0,
-        plan.tpr_log2,
-    )
-    return Prepared(dev, plan, packed, 4)
+    rows = 1
+    for n in lead:
+        rows *= n
+    small = rows < 2**31
+    flags = F_SMALL if small else 0
+    v: dict = {"rows": rows, "sk": shape[-1], "sdy": dy.strides[-1], "sy": y.strides[-1], "sdx": dx.strides[-1]}
+    v["scale"] = scale
+    v.update(_map_fields("map_dy", row_map(lead, dy.strides[:-1]), small))
+    v.update(_map_fields("map_y", row_map(lead, y.strides[:-1]), small))
+    v.update(_map_fields("map_dx", row_map(lead, dx.strides[:-1]), small))
+    itemsize = _plan.X_DTYPES[y.dtype][1]
+    ops = [dy, y, dx]
+    vec = aligned and _vector_ok(itemsize, ops, lead)
+    if vec:
+        flags |= F_VEC
+    plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec, rows_aligned(ops, lead, CHUNK_ELEMS[itemsize]))
+    v["flags"] = flags
+    v["tpr_log2"] = plan.tpr_log2
+    return v, plan
 
 
 # ----------------------------------------------------------------------------------

@@ -4,6 +4,12 @@ Pure Python and free of any GPU or framework, so that it is tested on every mach
 ``drvsoftmax.explain`` can show users what will run.  The kernel names written here are
 the C++ name expressions that ``cuda_src`` instantiates; the compiler and the packaged
 artifacts are keyed by them.
+
+A row is cut into 16-byte chunks (8 elements of 16-bit data, 4 of fp32).  A kernel
+variant is (chunks per thread NCH, rows per thread RPT); the threads per row (tpr, a
+power of two up to the block) are chosen at launch.  Each thread issues NCH * RPT
+16-byte loads of x (of dy and y backward) before it uses any of them, so the table below
+keeps 2 to 8 loads in flight per thread while filling the chip.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ X_DTYPES = {
     "float32": ("float", 4),
 }
 
-# Mask sources: kind -> C++ LOAD modifier.  Integer and boolean masks only need their
+# Mask sources: kind -> C++ VALUES step.  Integer and boolean masks only need their
 # width (nonzero hides); floating masks are added.
 MASK_KINDS = {
     "none": "MaskNone",
@@ -32,94 +38,96 @@ MASK_KINDS = {
 }
 
 CHUNK_BYTES = 16  # one vector access
-REG_VALUES = 32  # fp32 values of row data one thread holds (forward)
-BWD_VALUES = 16  # backward holds y and dy: 16 values of each
-MAX_TPR = 1024  # threads per row of the register tier (one block)
-SHORT_CHUNKS = 32  # rows of at most this many chunks take the short tier
-SHORT_BLOCK = 128  # block of the short tier
-SHORT_ROWS = 4  # rows per thread in flight in the short tier (forward)
-LOOP_THREADS = 1024  # block size of the looped tier
-MIN_BLOCK = 128  # register-tier blocks hold at least this many threads
-# Blocks per launch at most; beyond it the kernels loop over rows with a grid stride
-# (65535 blocks of >= 128 threads are far more than the largest GPU holds at once).
-MAX_GRID = 65535
+BLOCK = 256  # SMX_BLOCK: the largest block, and the threads per row of the widest rows
+SMALL_BLOCK = 128  # block of rows of at most 32 threads
+LOOP_NCH = 8  # chunks per thread and segment of the looped tier
+MAX_GRID = 2**31 - 1
 
-
-def reg_nch(itemsize: int, values: int = REG_VALUES) -> int:
-    """Chunks (16 bytes each) in `values` fp32 values: 4 of 16-bit or 8 of fp32 data
-    forward, 2 or 4 backward."""
-    return values // (CHUNK_BYTES // itemsize)
-
-
-# The tiers, by the number of 16-byte chunks in a row (n = reg_nch: 4 for 16-bit, 8 for
-# fp32 forward; 2 and 4 backward).  Threads per row (TPR) is a power of two.
-#   tier       chunks per row          layout
-TIERS = (
-    ("short", "<= 32", "one chunk per thread, TPR = 1..32 (within a warp), several rows per thread in flight"),
-    ("register", "<= 1024 * n", "n chunks per thread, TPR = 1..1024 (block reduction above 32)"),
-    ("loop", "> 1024 * n", "a block of 1024 per row, two passes over the row"),
+# The register tier, by chunks per row C (rows of C chunks fit when C <= limit).
+#   limit   NCH  RPT  threads per row      why
+FWD_TABLE = (
+    (4, 1, 4, "C"),  # Sk <= 32 (16-bit), <= 16 (fp32): 4 rows x 1 chunk in flight per thread
+    (512, 2, 2, "C/2"),  # <= 4096 (16-bit): 2 rows x 2 chunks; above 64 chunks a row spans warps
+    (2048, 8, 1, "C/8"),  # <= 16384 (16-bit): 64..256 threads x 8 chunks (64 values per thread)
+    (4096, 16, 1, "C/16"),  # fp32 <= 16384: 256 threads x 16 chunks (64 values per thread)
 )
-# So the register tier ends at 32768 elements forward and 16384 backward, every dtype.
+BWD_TABLE = FWD_TABLE  # dy and y: twice the loads in flight, the values are not kept
+# NCH 16 is instantiated for fp32 only: 16-bit rows of 4096 chunks (32768 elements) would
+# hold 128 values per thread; they take the looped tier.
+FP32_ONLY_NCH = 16
 
 
-def kernel_fwd_short(dtype: str, mask_kind: str, rows_per_thread: int) -> str:
-    return f"smx_fwd_short<{X_DTYPES[dtype][0]}, {MASK_KINDS[mask_kind]}, {rows_per_thread}>"
+def _configs(table, itemsize: int) -> list[tuple[int, int, int, str]]:
+    return [row for row in table if row[1] != FP32_ONLY_NCH or itemsize == 4]
 
 
-def kernel_fwd_reg(dtype: str, mask_kind: str, nch: int) -> str:
-    return f"smx_fwd_reg<{X_DTYPES[dtype][0]}, {MASK_KINDS[mask_kind]}, {nch}>"
+def _t(dtype: str) -> str:
+    return X_DTYPES[dtype][0]
+
+
+def kernel_fwd(dtype: str, mask_kind: str, nch: int, rpt: int) -> str:
+    return f"smx_fwd<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}, {rpt}>"
 
 
 def kernel_fwd_loop(dtype: str, mask_kind: str) -> str:
-    return f"smx_fwd_loop<{X_DTYPES[dtype][0]}, {MASK_KINDS[mask_kind]}>"
+    return f"smx_fwd_loop<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {LOOP_NCH}>"
 
 
-def kernel_bwd_short(dtype: str, rows_per_thread: int) -> str:
-    return f"smx_bwd_short<{X_DTYPES[dtype][0]}, {rows_per_thread}>"
-
-
-def kernel_bwd_reg(dtype: str, nch: int) -> str:
-    return f"smx_bwd_reg<{X_DTYPES[dtype][0]}, {nch}>"
+def kernel_bwd(dtype: str, nch: int, rpt: int) -> str:
+    return f"smx_bwd<{_t(dtype)}, {nch}, {rpt}>"
 
 
 def kernel_bwd_loop(dtype: str) -> str:
-    return f"smx_bwd_loop<{X_DTYPES[dtype][0]}>"
+    return f"smx_bwd_loop<{_t(dtype)}, {LOOP_NCH}>"
 
 
 def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
     for dt, (_, item) in X_DTYPES.items():
-        n = reg_nch(item)
         for mk in MASK_KINDS:
-            names += [kernel_fwd_short(dt, mk, SHORT_ROWS), kernel_fwd_reg(dt, mk, n), kernel_fwd_loop(dt, mk)]
-        nb = reg_nch(item, BWD_VALUES)
-        names += [kernel_bwd_short(dt, nb), kernel_bwd_reg(dt, nb), kernel_bwd_loop(dt)]
+            names += [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
+            names.append(kernel_fwd_loop(dt, mk))
+        names += [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
+        names.append(kernel_bwd_loop(dt))
     return names
+
+
+# Mask kinds the wheel precompiles: none, bool / 8-bit integer masks, an additive mask of
+# x's own dtype.  Wider integer masks and other float masks compile on first use, as do
+# rows beyond the register tier (> 16384 keys).
+def packaged_mask_kinds(dtype: str) -> tuple[str, ...]:
+    return ("none", "hide1", f"add_{dtype}")
 
 
 def packaged_kernel_names() -> list[str]:
     """The kernels that ship precompiled in the wheel (the configurations Transformers
-    commonly call); every other kernel of `all_kernel_names` compiles on first use."""
-    return all_kernel_names()
+    commonly call, rows up to 16384 keys); every other kernel of `all_kernel_names`
+    compiles on first use (cached)."""
+    names = []
+    for dt, (_, item) in X_DTYPES.items():
+        for mk in packaged_mask_kinds(dt):
+            names += [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
+        names += [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
+    return names
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
-    tier: str  # "short", "register" or "loop"
+    tier: str  # "register" or "loop"
     grid: int
     block: int
-    tpr_log2: int  # log2(threads per row); for the loop tier log2(block)
-    nch: int  # chunks per thread and row (1 short, n register, 0 loop)
-    rpt: int  # rows per thread at once (n short, 1 otherwise)
+    tpr_log2: int  # log2(threads per row)
+    nch: int  # chunks per thread and row (per segment in the looped tier)
+    rpt: int  # rows per thread
     vector: bool  # 16-byte accesses
-    reason: str  # which tier row chose it
+    reason: str  # which table row chose it
 
     def describe(self) -> str:
         return (
             f"{self.tier} tier: {self.kernel}, grid {self.grid} x block {self.block}, "
-            f"{1 << self.tpr_log2} threads per row, "
+            f"{1 << self.tpr_log2} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
             f"{'16-byte vector' if self.vector else 'element-wise'} access; {self.reason}"
         )
 
@@ -132,46 +140,48 @@ def _log2_ceil(n: int) -> int:
     return (n - 1).bit_length() if n > 1 else 0
 
 
-def short_rows(itemsize: int, backward: bool) -> int:
-    """Rows per thread of the short tier: 4 forward; backward (y and dy) 16 values' worth."""
-    return reg_nch(itemsize, BWD_VALUES) if backward else SHORT_ROWS
+def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
+    """16-byte chunks a row touches: rows that may start off a 16-byte boundary touch up
+    to one more."""
+    n = CHUNK_BYTES // itemsize
+    return _ceil_div(sk + (0 if aligned_rows else n - 1), n)
 
 
-def choose_shape(rows: int, sk: int, itemsize: int, values: int = REG_VALUES):
+def choose_shape(rows: int, sk: int, itemsize: int, backward: bool = False, aligned_rows: bool = True):
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements."""
-    chunks = _ceil_div(sk, CHUNK_BYTES // itemsize)
-    n = reg_nch(itemsize, values)
-    if chunks <= SHORT_CHUNKS:
-        t = _log2_ceil(chunks)
-        r = short_rows(itemsize, values == BWD_VALUES)
-        grid = _ceil_div(rows, (SHORT_BLOCK >> t) * r)
-        return "short", 1, r, t, SHORT_BLOCK, grid, f"{chunks} chunks {TIERS[0][1]}: {TIERS[0][2]}"
-    if chunks <= MAX_TPR * n:
-        t = _log2_ceil(_ceil_div(chunks, n))
-        block = max(1 << t, MIN_BLOCK)
-        grid = _ceil_div(rows, block >> t)
-        return "register", n, 1, t, block, grid, f"{chunks} chunks {TIERS[1][1]}: {TIERS[1][2]}"
-    t = _log2_ceil(LOOP_THREADS)
-    return "loop", 0, 1, t, LOOP_THREADS, rows, f"{chunks} chunks {TIERS[2][1]}: {TIERS[2][2]}"
+    chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
+    table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize)
+    for limit, nch, rpt, rule in table:
+        if chunks <= limit:
+            t = _log2_ceil(_ceil_div(chunks, nch))
+            block = SMALL_BLOCK if (1 << t) <= 32 else BLOCK
+            block = max(block, 1 << t)
+            rows_per_block = (block >> t) * rpt
+            grid = _ceil_div(rows, rows_per_block)
+            why = f"{chunks} chunks per row <= {limit}: {nch} chunk(s) x {rpt} row(s) per thread, tpr = {rule}"
+            return "register", nch, rpt, t, block, grid, why
+    t = _log2_ceil(BLOCK)
+    why = f"{chunks} chunks per row > {table[-1][0]}: a block per row, {LOOP_NCH} chunks per thread per segment"
+    return "loop", LOOP_NCH, 1, t, BLOCK, rows, why
 
 
-def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool) -> LaunchPlan:
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, X_DTYPES[dtype][1])
-    n = reg_nch(X_DTYPES[dtype][1])
-    name = {
-        "short": lambda: kernel_fwd_short(dtype, mask_kind, rpt),
-        "register": lambda: kernel_fwd_reg(dtype, mask_kind, n),
-        "loop": lambda: kernel_fwd_loop(dtype, mask_kind),
-    }[tier]()
-    return LaunchPlan(name, tier, min(grid, MAX_GRID), block, t, nch, rpt, vector, reason)
+def _check_grid(grid: int) -> int:
+    if grid > MAX_GRID:
+        from ._errors import arg_value_error
+
+        raise arg_value_error("x", f"at most {MAX_GRID} blocks of rows", f"{grid}")
+    return grid
 
 
-def plan_backward(rows: int, sk: int, dtype: str, vector: bool) -> LaunchPlan:
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, X_DTYPES[dtype][1], BWD_VALUES)
-    n = reg_nch(X_DTYPES[dtype][1], BWD_VALUES)
-    name = {
-        "short": lambda: kernel_bwd_short(dtype, rpt),
-        "register": lambda: kernel_bwd_reg(dtype, n),
-        "loop": lambda: kernel_bwd_loop(dtype),
-    }[tier]()
-    return LaunchPlan(name, tier, min(grid, MAX_GRID), block, t, nch, rpt, vector, reason)
+def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
+    item = X_DTYPES[dtype][1]
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows or not vector)
+    name = kernel_fwd(dtype, mask_kind, nch, rpt) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
+    return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason)
+
+
+def plan_backward(rows: int, sk: int, dtype: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
+    item = X_DTYPES[dtype][1]
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows or not vector)
+    name = kernel_bwd(dtype, nch, rpt) if tier == "register" else kernel_bwd_loop(dtype)
+    return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason)

@@ -17,10 +17,14 @@ torch = pytest.importorskip("torch")
 pytestmark = requires_cuda
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# Row lengths at the tier boundaries: 1 element, odd sizes, 32 chunks (the one-chunk
-# tier's end: 256 16-bit / 128 fp32 elements) +-1, the backward register tier's capacity
-# (16384) +1, the forward's (32768) +1, and the looped tier beyond.
-SKS = [1, 2, 3, 31, 32, 33, 127, 128, 256, 257, 1000, 1023, 1024, 1025, 2048, 4097, 16384, 16385, 32768, 32769, 65536]
+# Row lengths at the planner's boundaries (16-byte chunks per row C: 8 16-bit or 4 fp32
+# elements): 1 element and odd sizes; C = 4 (Sk 32 / 16) +-1, the end of 4 rows per
+# thread; C = 64 (512 / 256) +-1, where a row starts to span warps; C = 512 (4096 / 2048)
+# +-1 and C = 2048 (16384 / 8192) +-1, where chunks per thread grow; 16384 +-1, the end
+# of the register tier; the looped tier beyond.  Odd lengths make rows that start off a
+# 16-byte boundary (one chunk more per row, first and last chunk element-wise).
+SKS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 127, 255, 256, 257, 511, 512, 513, 1000, 1023, 2047, 2048, 2049]
+SKS += [4095, 4096, 4097, 8191, 8192, 8193, 16383, 16384, 16385, 32769, 65536]
 MASKS = [
     "none",
     "bool_b1qk",
@@ -192,13 +196,13 @@ def test_mask_rows_read_whole_or_element_wise(mdtype, sk):
 @pytest.mark.parametrize(
     "dtype,rows,sk",
     [
-        ("float16", 1_100_000, 256),  # short tier: 16 rows per block iteration, > 65535 blocks
-        ("float32", 140_000, 2048),  # register tier, 2 rows per block
+        ("float16", 1_100_000, 256),  # 2 rows x 16 rows per block: > 65535 blocks
+        ("float32", 140_000, 2048),  # a row of 256 threads, 2 rows per thread
         ("bfloat16", 70_000, 32769),  # looped tier, a row per block
     ],
 )
-def test_grid_stride_loops_cover_every_row(dtype, rows, sk):
-    # More rows than the capped grid holds: the kernels loop.  Checked against a float64
+def test_many_blocks_cover_every_row(dtype, rows, sk):
+    # Many blocks (more than 65535 at short rows).  Checked against a float64
     # softmax on the GPU at rows spread over the whole tensor, the last one included.
     x = torch.randn((rows, sk), device="cuda", dtype=DTYPES[dtype])
     y = torch.full_like(x, float("nan"))

@@ -1,17 +1,19 @@
-"""The pure-Python planner (`_plan`) and geometry (`_core`), without a GPU.
+"""The pure-Python planner (`_plan`), row maps (`_core`) and parameter structs (`_params`),
+without a GPU.
 
-* Which tier, kernel, threads per row and block each boundary row length selects.
-* Every kernel a plan can name is compiled (is in all_kernel_names()), and every compiled
-  kernel is reachable by some input: no dead variants, no plans without a kernel.
-* Leading-dim merging and broadcasting of operands, checked against a brute-force offset map.
-* FWD_STRUCT / BWD_STRUCT against the C structs parsed from cuda_src, so the two cannot drift,
-  and the packed parameters of a prepared launch read back field by field under C names.
+* Which kernel, chunks per thread, rows per thread and threads per row each boundary row
+  length selects, and that every planned row fits the launch it gets.
+* Every kernel a plan can name is compiled (is in all_kernel_names()), every compiled
+  kernel is reachable, and the packaged set covers every common configuration.
+* Row maps against a brute-force offset map of arbitrary layouts and broadcasts.
+* The C header is what `_params.c_header()` writes, a C compiler accepts its size and
+  offset checks (and rejects a wrong one), and prepared launches read back by C name.
 """
 
 from __future__ import annotations
 
-import re
-import struct
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import drvsoftmax
-from drvsoftmax import _args, _compiler, _core, _plan
+from drvsoftmax import _args, _compiler, _core, _params, _plan
 
 DTYPES = list(_plan.X_DTYPES)  # float16, bfloat16, float32
 MASK_KINDS = list(_plan.MASK_KINDS)
@@ -30,90 +32,66 @@ def _tpr(plan) -> int:
     return 1 << plan.tpr_log2
 
 
+def _contig(shape):
+    return tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+
+
 # ----------------------------------------------------------------------------------
-# Tier selection at the boundaries.
-
-# (Sk, tier, chunks per thread, threads per row).  16-bit dtypes: 8 elements per 16-byte
-# chunk; the big register tier holds 32 values per thread forward (4 chunks) and 16 of y
-# and of dy backward (2 chunks).
-#   1, 2, 8     one chunk: one thread per row (short tier: n rows per thread)
-#   9           two chunks: 2 threads
-#   31,32,33    4 chunks (4 threads) / 5 chunks (8 threads)
-#   256/257     32 chunks = a warp of 1-chunk threads, the short tier's end / 33 chunks -> register tier
-#   32768/9     forward capacity: 1024 threads x 4 chunks / the looped tier
-#   16384/5     backward capacity: 1024 threads x 2 chunks / the looped tier
-FWD_16 = [
-    (1, "short", 1, 1),
-    (2, "short", 1, 1),
-    (8, "short", 1, 1),
-    (9, "short", 1, 2),
-    (31, "short", 1, 4),
-    (32, "short", 1, 4),
-    (33, "short", 1, 8),
-    (256, "short", 1, 32),
-    (257, "register", 4, 16),
-    (1024, "register", 4, 32),
-    (1025, "register", 4, 64),
-    (32768, "register", 4, 1024),
-    (32769, "loop", 0, 1024),
+# The register tier's table at its boundaries.  16-bit: 8 elements per 16-byte chunk;
+# fp32: 4.  Rows that may start off a 16-byte boundary (aligned_rows=False) touch one
+# chunk more.
+#   (Sk, aligned rows, kernel config (nch, rpt) or "loop", threads per row)
+CASES_16 = [
+    (1, True, (1, 4), 1),
+    (8, True, (1, 4), 1),
+    (9, True, (1, 4), 2),
+    (32, True, (1, 4), 4),  # 4 chunks: 4 rows x 1 chunk per thread ends
+    (33, True, (2, 2), 4),
+    (31, False, (2, 2), 4),  # 4 chunks + 1 for misalignment
+    (128, True, (2, 2), 8),
+    (512, True, (2, 2), 32),  # rows still within a warp
+    (513, True, (2, 2), 64),  # rows span two warps
+    (4096, True, (2, 2), 256),
+    (4097, True, (8, 1), 128),
+    (4090, False, (8, 1), 128),
+    (16384, True, (8, 1), 256),
+    (16385, True, "loop", 256),
+    (16384, False, "loop", 256),
 ]
-BWD_16 = FWD_16[:7] + [
-    (256, "short", 1, 32),
-    (257, "register", 2, 32),
-    (512, "register", 2, 32),
-    (513, "register", 2, 64),
-    (16384, "register", 2, 1024),
-    (16385, "loop", 0, 1024),
-    (32768, "loop", 0, 1024),
+CASES_32 = [
+    (16, True, (1, 4), 4),
+    (17, True, (2, 2), 4),
+    (256, True, (2, 2), 32),
+    (2048, True, (2, 2), 256),
+    (2049, True, (8, 1), 128),
+    (8192, True, (8, 1), 256),
+    (8193, True, (16, 1), 256),
+    (16384, True, (16, 1), 256),
+    (16385, True, "loop", 256),
 ]
-# fp32: 4 elements per chunk; 8 chunks per thread forward, 4 backward.
-FWD_32 = [
-    (1, "short", 1, 1),
-    (4, "short", 1, 1),
-    (5, "short", 1, 2),
-    (128, "short", 1, 32),
-    (129, "register", 8, 8),
-    (1024, "register", 8, 32),
-    (1025, "register", 8, 64),
-    (32768, "register", 8, 1024),
-    (32769, "loop", 0, 1024),
-]
-BWD_32 = FWD_32[:4] + [
-    (129, "register", 4, 16),
-    (512, "register", 4, 32),
-    (513, "register", 4, 64),
-    (16384, "register", 4, 1024),
-    (16385, "loop", 0, 1024),
-]
-BOUNDARY_CASES = (
-    [(dt, False, *b) for dt in ("float16", "bfloat16") for b in FWD_16]
-    + [(dt, True, *b) for dt in ("float16", "bfloat16") for b in BWD_16]
-    + [("float32", False, *b) for b in FWD_32]
-    + [("float32", True, *b) for b in BWD_32]
-)
+BOUNDARY_CASES = [(dt, bwd, *c) for dt in ("float16", "bfloat16") for bwd in (False, True) for c in CASES_16]
+BOUNDARY_CASES += [("float32", bwd, *c) for bwd in (False, True) for c in CASES_32]
 
 
-@pytest.mark.parametrize("dtype,backward,sk,tier,nch,tpr", BOUNDARY_CASES)
-def test_boundary_tiers(dtype, backward, sk, tier, nch, tpr):
+@pytest.mark.parametrize("dtype,backward,sk,aligned,cfg,tpr", BOUNDARY_CASES)
+def test_boundary_configs(dtype, backward, sk, aligned, cfg, tpr):
     rows = 1000
-    plan = (
-        _plan.plan_backward(rows, sk, dtype, True) if backward else _plan.plan_forward(rows, sk, dtype, "hide1", True)
-    )
-    assert (plan.tier, plan.nch, _tpr(plan)) == (tier, nch, tpr), plan
-    t = _plan.X_DTYPES[dtype][0]
-    n = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES) if backward else 4  # rows per thread, short tier
-    if tier == "short":
-        want = f"smx_bwd_short<{t}, {n}>" if backward else f"smx_fwd_short<{t}, MaskHide<smx_u8>, {n}>"
-        assert plan.block == 128 and plan.rpt == n
-        assert plan.grid == -(-rows // ((plan.block // tpr) * n))
-    elif tier == "register":
-        want = f"smx_bwd_reg<{t}, {nch}>" if backward else f"smx_fwd_reg<{t}, MaskHide<smx_u8>, {nch}>"
-        assert plan.block == max(tpr, 128) and plan.rpt == 1
-        assert plan.grid == -(-rows // (plan.block // tpr))
+    if backward:
+        plan = _plan.plan_backward(rows, sk, dtype, True, aligned)
     else:
-        want = f"smx_bwd_loop<{t}>" if backward else f"smx_fwd_loop<{t}, MaskHide<smx_u8>>"
-        assert plan.block == 1024 and plan.grid == rows
+        plan = _plan.plan_forward(rows, sk, dtype, "hide1", True, aligned)
+    t = _plan.X_DTYPES[dtype][0]
+    assert _tpr(plan) == tpr, plan
+    if cfg == "loop":
+        assert plan.tier == "loop" and plan.grid == rows and plan.block == _plan.BLOCK
+        assert plan.kernel == (f"smx_bwd_loop<{t}, 8>" if backward else f"smx_fwd_loop<{t}, MaskHide<smx_u8>, 8>")
+        return
+    nch, rpt = cfg
+    assert plan.tier == "register" and (plan.nch, plan.rpt) == (nch, rpt)
+    want = f"smx_bwd<{t}, {nch}, {rpt}>" if backward else f"smx_fwd<{t}, MaskHide<smx_u8>, {nch}, {rpt}>"
     assert plan.kernel == want
+    assert plan.block == (128 if tpr <= 32 else 256)
+    assert plan.grid == -(-rows // ((plan.block // tpr) * rpt))
     assert plan.vector is True
 
 
@@ -127,35 +105,30 @@ SWEEP = _sweep_sks()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sweep_plans_are_consistent_and_named_kernels_exist(dtype):
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
+    """Threads per row x chunks per thread cover the row's chunks, with at most half of
+    the threads idle; blocks hold whole rows; grids cover every row."""
     names = set(_plan.all_kernel_names())
-    per_chunk = 16 // ITEMSIZE[dtype]
     for sk in SWEEP:
-        for rows in (1, 7, 4096):
-            plans = [_plan.plan_forward(rows, sk, dtype, mk, vec) for mk in MASK_KINDS for vec in (True, False)]
-            plans += [_plan.plan_backward(rows, sk, dtype, vec) for vec in (True, False)]
-            for p in plans:
-                assert p.kernel in names, (sk, p)
-                assert p.block % 32 == 0 and 32 <= p.block <= 1024, p
-                assert 1 <= p.grid <= _plan.MAX_GRID
-                if p.tier in ("short", "register"):
-                    tpr = _tpr(p)
-                    big = _plan.reg_nch(ITEMSIZE[dtype], _plan.BWD_VALUES if "bwd" in p.kernel else _plan.REG_VALUES)
-                    rpt = _plan.short_rows(ITEMSIZE[dtype], "bwd" in p.kernel)
-                    assert (p.nch, p.rpt) == ((1, rpt) if p.tier == "short" else (big, 1)), p
-                    assert tpr <= p.block and p.block % tpr == 0, p
-                    assert p.tier == "register" or tpr <= 32, p  # short rows stay within a warp
-                    # The row fits in tpr x nch chunks, and would not fit in half the threads.
-                    assert tpr * p.nch * per_chunk >= sk, (sk, p)
-                    assert tpr == 1 or (tpr // 2) * p.nch * per_chunk < sk, (sk, p)
-                    assert p.grid * (p.block // tpr) * p.rpt >= rows
-                else:
-                    assert p.tier == "loop" and p.nch == 0 and p.grid == rows
-                    assert sk > (32768 if "fwd" in p.kernel else 16384)
-            # One tier per (Sk, dtype, direction): the mask kind never changes the shape.
-            fwd = {(p.tier, p.nch, p.tpr_log2, p.block, p.grid) for p in plans if "fwd" in p.kernel}
-            assert len(fwd) == 1, sk
-            assert len({(p.tier, p.nch, p.tpr_log2, p.block, p.grid) for p in plans if "bwd" in p.kernel}) == 1, sk
+        for rows in (1, 7, 1000, 123457):
+            p = (
+                _plan.plan_backward(rows, sk, dtype, True, aligned)
+                if backward
+                else _plan.plan_forward(rows, sk, dtype, "none", True, aligned)
+            )
+            assert p.kernel in names
+            chunks = _plan.row_chunks(sk, ITEMSIZE[dtype], aligned)
+            if p.tier == "register":
+                assert _tpr(p) * p.nch >= chunks, (sk, p)
+                assert _tpr(p) == 1 or (_tpr(p) // 2) * p.nch < chunks, (sk, p)  # no smaller tpr fits
+                assert p.block % _tpr(p) == 0 and p.block <= _plan.BLOCK
+                rows_per_block = p.block // _tpr(p) * p.rpt
+                assert (p.grid - 1) * rows_per_block < rows <= p.grid * rows_per_block
+            else:
+                assert p.grid == rows and p.block == _tpr(p) == _plan.BLOCK
+                assert chunks > 2048 * (2 if ITEMSIZE[dtype] == 4 else 1)
 
 
 def test_every_kernel_name_is_reachable():
@@ -169,6 +142,21 @@ def test_every_kernel_name_is_reachable():
     assert len(names) == len(set(names)), "duplicate kernel names"
     assert set(names) == reached, f"never planned: {sorted(set(names) - reached)}"
     assert names == _plan.all_kernel_names(), "the order must be stable (it keys caches)"
+
+
+def test_packaged_kernels_cover_the_common_configurations():
+    """fp16/bf16/fp32 x none/bool/additive (x's dtype) up to 16384 keys, forward and
+    backward, aligned or not: no compile at run time."""
+    packaged = set(_plan.packaged_kernel_names())
+    assert packaged <= set(_plan.all_kernel_names())
+    for dtype in DTYPES:
+        for sk in [s for s in SWEEP if s <= 16384]:
+            for aligned in (True, False):
+                if not aligned and sk > 16384 - 16 // ITEMSIZE[dtype] + 1:
+                    continue  # one chunk more than the register tier holds: the looped tier
+                for mk in ("none", "hide1", f"add_{dtype}"):
+                    assert _plan.plan_forward(4, sk, dtype, mk, True, aligned).kernel in packaged, (dtype, sk, mk)
+                assert _plan.plan_backward(4, sk, dtype, True, aligned).kernel in packaged
 
 
 def test_every_mask_kind_is_reachable_from_some_dtype():
@@ -185,22 +173,11 @@ def test_every_mask_kind_is_reachable_from_some_dtype():
             assert kind == f"add_{dt}"
 
 
-def test_grid_is_capped_for_huge_row_counts():
-    for sk in (1, 100, 5000, 100000):
-        p = _plan.plan_forward(2**40, sk, "float16", "none", True)
-        assert p.grid == _plan.MAX_GRID  # the kernels loop over rows with a grid stride
-
-
-def test_kernel_name_templates_are_instantiable_names():
-    pat = re.compile(
-        r"^smx_((fwd_short|fwd_reg)<\w+, \w+(<\w+>)?, [48]>|fwd_loop<\w+, \w+(<\w+>)?>|"
-        r"(bwd_short|bwd_reg)<\w+, [24]>|bwd_loop<\w+>)$"
-    )
-    for n in _plan.all_kernel_names():
-        assert pat.match(n), n
-    n_fwd = len(DTYPES) * len(MASK_KINDS) * 3  # short, register and loop tiers
-    n_bwd = len(DTYPES) * 3
-    assert len(_plan.all_kernel_names()) == n_fwd + n_bwd
+def test_grid_beyond_the_launch_limit_is_an_argument_error():
+    p = _plan.plan_forward(2**39, 1, "float16", "none", True)
+    assert p.grid == 2**39 // 512  # 128 threads x 4 rows per block
+    with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^x must be at most \d+ blocks of rows"):
+        _plan.plan_forward(2**50, 100, "float16", "none", True)
 
 
 # ----------------------------------------------------------------------------------
@@ -210,12 +187,12 @@ def test_kernel_name_templates_are_instantiable_names():
 @pytest.mark.parametrize(
     "shape,dtype,kw,tier,needle",
     [
-        ((2, 12, 128, 128), "float16", {}, "short", "smx_fwd_short<smx_f16, MaskNone, 4>"),
-        ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "short", "MaskHide<smx_u8>"),
-        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8>"),
-        ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>>"),
-        ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float>"),
-        ((7, 9), "float16", {"backward": True}, "short", "smx_bwd_short<smx_f16, 2>"),
+        ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 2>"),
+        ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
+        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 2, 2>"),
+        ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>, 8>"),
+        ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float, 8>"),
+        ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 1, 4>"),
     ],
 )
 def test_explain_names_tier_and_kernel(shape, dtype, kw, tier, needle):
@@ -227,7 +204,7 @@ def test_explain_names_tier_and_kernel(shape, dtype, kw, tier, needle):
 
 def test_explain_vector_access_and_errors():
     assert "16-byte vector" in drvsoftmax.explain((3, 64), "float16")
-    assert "element-wise" in drvsoftmax.explain((3, 65), "float16")  # rows 65 elements apart: unaligned
+    assert "16-byte vector" in drvsoftmax.explain((3, 65), "float16")  # odd rows: first/last chunk element-wise
     assert "16-byte vector" in drvsoftmax.explain((3, 68), "float32")
     with pytest.raises(drvsoftmax.ArgumentTypeError, match=r"^x must be of dtype .*got dtype float64"):
         drvsoftmax.explain((4, 8), "float64")
@@ -245,52 +222,14 @@ def test_explain_dtype_objects_and_bad_mask_dtype(case):
 
 
 # ----------------------------------------------------------------------------------
-# merge_rows and broadcast_strides
-
-
-def _contig(shape):
-    return tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
-
-
-def test_merge_contiguous_to_one_dim():
-    shape = (2, 3, 4, 40)
-    st_ = _contig(shape)[:-1]
-    rows, sizes, strides = _core.merge_rows(shape[:-1], [st_, st_])
-    assert (rows, sizes, strides) == (24, [24], [[40], [40]])
-
-
-def test_merge_drops_size_one_dims():
-    shape = (2, 1, 4, 1, 40)
-    st_ = _contig(shape)[:-1]
-    rows, sizes, strides = _core.merge_rows(shape[:-1], [st_])
-    assert (rows, sizes, strides) == (8, [8], [[40]])
-    rows, sizes, strides = _core.merge_rows((1, 1), [(5, 5)])
-    assert (rows, sizes, strides) == (1, [], [[]])
-
-
-def test_transposed_views_do_not_merge():
-    x = np.zeros((2, 3, 4, 40), np.float16).transpose(0, 2, 1, 3)  # [2, 4, 3, 40]
-    st_ = tuple(s // 2 for s in x.strides[:-1])  # (480, 40, 160)
-    rows, sizes, strides = _core.merge_rows(x.shape[:-1], [st_, _contig(x.shape)[:-1]])
-    assert rows == 24 and sizes == [2, 4, 3] and strides == [[480, 40, 160], [480, 120, 40]]
+# broadcast_strides and row maps
 
 
 def test_broadcast_operands():
     shape = (2, 3, 4, 40)
-    x = _contig(shape)[:-1]
-    m_b1qk = _core.broadcast_strides("mask", (2, 1, 4, 40), _contig((2, 1, 4, 40)), shape)
-    assert m_b1qk == (160, 0, 40, 1)
-    rows, sizes, strides = _core.merge_rows(shape[:-1], [x, m_b1qk[:-1]])
-    assert sizes == [2, 3, 4] and strides[1] == [160, 0, 40]  # H is broadcast: nothing merges
-    m_qk = _core.broadcast_strides("mask", (4, 40), (40, 1), shape)
-    assert m_qk == (0, 0, 40, 1)
-    rows, sizes, strides = _core.merge_rows(shape[:-1], [x, m_qk[:-1]])
-    assert sizes == [6, 4] and strides == [[160, 40], [0, 40]]  # B and H merge: stride 0 in both
-    m_11k = _core.broadcast_strides("mask", (1, 1, 1, 40), (40, 40, 40, 1), shape)
-    assert m_11k == (0, 0, 0, 1)
-    rows, sizes, strides = _core.merge_rows(shape[:-1], [x, m_11k[:-1]])
-    assert sizes == [24] and strides == [[40], [0]]
-    # Extra leading size-1 dims broadcast away; a size-1 dim of x gets stride 0.
+    assert _core.broadcast_strides("mask", (2, 1, 4, 40), _contig((2, 1, 4, 40)), shape) == (160, 0, 40, 1)
+    assert _core.broadcast_strides("mask", (4, 40), (40, 1), shape) == (0, 0, 40, 1)
+    assert _core.broadcast_strides("mask", (1, 1, 1, 40), (40, 40, 40, 1), shape) == (0, 0, 0, 1)
     assert _core.broadcast_strides("mask", (1, 1, 4, 40), (9, 9, 40, 1), (4, 40)) == (40, 1)
     assert _core.broadcast_strides("m", (3, 1, 5), (5, 5, 1), (3, 1, 5)) == (5, 0, 1)
 
@@ -306,153 +245,122 @@ def test_broadcast_strides_errors(shape, target):
     assert msg.startswith("mask must be broadcastable to x.shape") and f"got shape {shape}" in msg
 
 
-def _row_offsets(sizes, strides, row):
-    """smx_row_offsets of softmax_common.cuh: innermost dim last."""
-    off = [0] * len(strides)
-    for d in range(len(sizes) - 1, -1, -1):
-        row, i = divmod(row, sizes[d])
-        for k in range(len(strides)):
-            off[k] += i * strides[k][d]
-    return off
+def test_row_maps_of_common_layouts():
+    lead = (2, 3, 4)  # [B, H, Sq] of x [2, 3, 4, 40]
+    assert _core.row_map(lead, (480, 160, 40)) == [(1, 0, 40)]  # contiguous: row * Sk
+    assert _core.row_map(lead, (160, 0, 40)) == [(1, 4, 40), (12, 0, 160)]  # mask [B,1,Sq,Sk]
+    assert _core.row_map(lead, (0, 0, 40)) == [(1, 4, 40)]  # mask [Sq,Sk]
+    assert _core.row_map(lead, (40, 0, 0)) == [(12, 0, 40)]  # mask [B,1,1,Sk]
+    assert _core.row_map(lead, (1, 0, 0)) == [(12, 0, 1)]  # key_lengths: the batch index
+    assert _core.row_map(lead, (0, 0, 1)) == [(1, 4, 1)]  # the causal query index
+    assert _core.row_map(lead, (0, 0, 0)) == []  # fully broadcast
+    assert _core.row_map((1, 5, 1), (99, 7, 99)) == [(1, 0, 7)]  # size-1 dims drop out
+    assert _core.row_map((3, 4), (1, 3)) == [(1, 4, 3), (4, 0, 1)]  # transposed: no merge
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 4), min_size=1, max_size=5),
     perm_seed=st.integers(0, 2**16),
-    mask_keep=st.lists(st.booleans(), min_size=5, max_size=5),
+    keep=st.lists(st.booleans(), min_size=5, max_size=5),
 )
-def test_merged_geometry_gives_the_same_offsets(shape, perm_seed, mask_keep):
-    """Merging is invisible: every row maps to the offsets the unmerged layout gives."""
+def test_row_maps_give_the_offsets_of_the_unmerged_layout(shape, perm_seed, keep):
+    """Merging and dropping are invisible: every row maps to the offset the layout gives,
+    through the kernels' 32-bit magic division too."""
     rng = np.random.default_rng(perm_seed)
     lead = tuple(shape)
-    # x: a permuted (transposed) view of a contiguous buffer; y contiguous; mask broadcast.
     perm = rng.permutation(len(lead))
     base = _contig(tuple(lead[p] for p in perm))
-    x_st = tuple(base[list(perm).index(i)] for i in range(len(lead)))
-    y_st = _contig(lead)
-    mshape = tuple(n if keep else 1 for n, keep in zip(lead, mask_keep, strict=False))
+    x_st = tuple(base[list(perm).index(i)] for i in range(len(lead)))  # a transposed view
+    mshape = tuple(n if k else 1 for n, k in zip(lead, keep, strict=False))
     m_st = _core.broadcast_strides("mask", mshape, _contig(mshape), lead)
-    ops = [x_st, y_st, m_st]
-    rows, sizes, strides = _core.merge_rows(lead, ops)
-    assert rows == int(np.prod(lead))
-    assert all(n > 1 for n in sizes) and len(sizes) <= len(lead)
-    for row in range(rows):
-        idx = np.unravel_index(row, lead)
-        want = [sum(int(i) * s for i, s in zip(idx, op, strict=True)) for op in ops]
-        assert _row_offsets(sizes, strides, row) == want, (lead, ops, sizes, strides, row)
+    rows = int(np.prod(lead))
+    for op in (x_st, m_st, _contig(lead)):
+        terms = _core.row_map(lead, op)
+        assert len(terms) <= len(lead) and all(s != 0 for _, _, s in terms)
+        fields = _core._map_fields("m", terms, True)
+        for row in range(rows):
+            idx = np.unravel_index(row, lead)
+            want = sum(int(i) * s for i, s in zip(idx, op, strict=True))
+            assert _core.map_offset(terms, row) == want, (lead, op, terms, row)
+            got = 0
+            for t in range(fields["m.nterms"]):  # what smx_row_offset computes, small path
+                mul, shr = fields["m.dmul"][t], fields["m.dshr"][t]
+                q = ((row * mul) >> 32) >> shr if mul else row
+                if fields["m.mod"][t]:
+                    mm, ms = fields["m.mmul"][t], fields["m.mshr"][t]
+                    q -= (((q * mm) >> 32) >> ms) * fields["m.mod"][t]
+                got += q * fields["m.stride"][t]
+            assert got == want
 
 
-def test_geometry_beyond_maxd_is_an_argument_error():
-    sizes = [2] * (_core.MAXD + 1)
+def test_magic_division_is_exact_below_2_31():
+    rng = np.random.default_rng(7)
+    for d in [2, 3, 7, 12, 640, 4097, 65535, 2**20 + 1, 2**31 - 1]:
+        mul, shr = _core.magic_divisor(d)
+        ns = [0, 1, d - 1, d, d + 1, 2**31 - 1] + list(rng.integers(0, 2**31, 200))
+        assert all(((int(n) * mul) >> 32) >> shr == int(n) // d for n in ns), d
+
+
+def test_row_maps_beyond_maxt_are_an_argument_error():
+    lead = (2,) * (_core.MAXD + 1)
+    strides = tuple(3**i for i in range(len(lead)))  # nothing merges
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^x must be a layout whose leading dims merge"):
-        _core._geom_fields(2 ** len(sizes), sizes, [[3**i for i in range(len(sizes))]])
+        _core.row_map(lead, strides)
+
+
+def test_vector_access_rules():
+    Op = _core.Operand
+    shape = (3, 5, 4097)
+    c = _contig(shape)
+    x, y = Op(0, "float16", shape, c), Op(0, "float16", shape, c)
+    assert _core._vector_ok(2, [x, y], shape[:-1])  # odd rows, shared strides: the same misalignment
+    assert not _core.rows_aligned([x, y], shape[:-1], 8)
+    y2 = Op(0, "float16", shape, (5 * 4104, 4104, 1))  # padded rows: misaligned unlike x
+    assert not _core._vector_ok(2, [x, y2], shape[:-1])
+    x3, y3 = Op(0, "float16", (3, 64), (72, 1)), Op(0, "float16", (3, 64), (64, 1))
+    assert _core._vector_ok(2, [x3, y3], (3,)) and _core.rows_aligned([x3, y3], (3,), 8)
+    assert not _core._vector_ok(2, [Op(0, "float16", (3, 64), (128, 2)), y3], (3,))  # strided along the row
 
 
 # ----------------------------------------------------------------------------------
-# The parameter structs, against the C source.
-
-C_CODES = {"smx_i64": "q", "long long": "q", "int": "i", "float": "f", "smx_u32": "I"}
+# The parameter structs: one definition, a generated header, checked by a C compiler.
 
 
-def _c_defines(text):
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"#define\s+(\w+)\s+(-?\d+)\b", text)}
+def test_the_header_in_the_tree_is_generated_from_params():
+    path = _compiler.source_dir() / "softmax_params.cuh"
+    assert path.read_text() == _params.c_header(), "run `python -m drvsoftmax._params`"
 
 
-def _c_struct_fields(text, name, defines):
-    """[(field name, C type, [array dims])] of `struct name { ... };`, comments stripped."""
-    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
-    m = re.search(r"struct\s+" + name + r"\s*\{(.*?)\};", text, flags=re.S)
-    assert m, f"struct {name} not found"
-    fields = []
-    for decl in m.group(1).split(";"):
-        decl = " ".join(decl.split())
-        if not decl:
-            continue
-        dm = re.match(r"^((?:long long|[A-Za-z_]\w*))\s+(.*)$", decl)
-        assert dm, decl
-        ctype = dm.group(1)
-        for item in dm.group(2).split(","):
-            item = item.strip()
-            nm = re.match(r"^(\w+)((?:\[\w+\])*)$", item)
-            assert nm, item
-            dims = [int(d) if d.isdigit() else defines[d] for d in re.findall(r"\[(\w+)\]", nm.group(2))]
-            fields.append((nm.group(1), ctype, dims))
-    return fields
+def test_struct_sizes_and_layout():
+    assert _params.MAP.size == 248 and _params.FWD.size == 56 + 5 * 248 and _params.BWD.size == 48 + 3 * 248
+    for lay in (_params.MAP, _params.FWD, _params.BWD):
+        offs = list(lay.offsets.values())
+        assert offs == sorted(offs) and lay.size == lay.struct.size
 
 
-def _flatten(fields, structs, prefix=""):
-    """[(qualified name, struct code)] with arrays expanded, nested structs inlined."""
-    out = []
-    for name, ctype, dims in fields:
-        for idx in np.ndindex(*dims) if dims else [()]:
-            q = prefix + name + "".join(f"[{i}]" for i in idx)
-            if ctype in structs:
-                out += _flatten(structs[ctype], structs, q + ".")
-            else:
-                out.append((q, C_CODES[ctype]))
-    return out
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+@pytest.mark.parametrize("lang", ["c", "c++"])
+def test_a_c_compiler_checks_every_offset(tmp_path, lang):
+    hdr = tmp_path / "softmax_params.cuh"
+    hdr.write_text(_params.c_header())
+    cmd = ["cc", "-fsyntax-only", "-x", lang, "-std=" + ("c11" if lang == "c" else "c++17"), str(hdr)]
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    # A wrong offset must fail the compile: the checks have teeth.
+    hdr.write_text(
+        _params.c_header().replace(
+            "SMX_CHECK_OFFSET(SmxFwdParams, scale, 48)", "SMX_CHECK_OFFSET(SmxFwdParams, scale, 52)"
+        )
+    )
+    bad = subprocess.run(cmd, capture_output=True, text=True)
+    assert bad.returncode != 0 and "SmxFwdParams.scale" in bad.stderr
 
 
-def _c_layout(codes):
-    """C natural-alignment offsets and size (every member here aligns to its own size)."""
-    off, offsets, align = 0, [], 1
-    for c in codes:
-        n = struct.calcsize(c)
-        off = -(-off // n) * n
-        offsets.append(off)
-        off += n
-        align = max(align, n)
-    return offsets, -(-off // align) * align
-
-
-def _py_layout(fmt):
-    """Member codes and offsets of a '<'-struct format, pads ('x') skipped."""
-    codes, offsets, off = [], [], 0
-    for count, c in re.findall(r"(\d*)([a-zA-Z?])", fmt.lstrip("<=!>@")):
-        for _ in range(int(count or 1)):
-            if c != "x":
-                codes.append(c)
-                offsets.append(off)
-            off += struct.calcsize("<" + c)
-    return codes, offsets, off
-
-
-def _parsed_structs():
-    src = _compiler.source_dir()
-    common = (src / "softmax_common.cuh").read_text()
-    fwd = (src / "softmax_fwd.cu").read_text()
-    bwd = (src / "softmax_bwd.cu").read_text()
-    defines = {**_c_defines(common), **_c_defines(fwd), **_c_defines(bwd)}
-    structs = {"RowGeom": _c_struct_fields(common, "RowGeom", defines)}
-    structs["FwdParams"] = _c_struct_fields(fwd, "FwdParams", defines)
-    structs["BwdParams"] = _c_struct_fields(bwd, "BwdParams", defines)
-    return structs, defines
-
-
-def test_struct_sizes():
-    assert _core.FWD_STRUCT.size == 400
-    assert _core.BWD_STRUCT.size == 392
-
-
-@pytest.mark.parametrize("cname,pystruct", [("FwdParams", _core.FWD_STRUCT), ("BwdParams", _core.BWD_STRUCT)])
-def test_python_struct_mirrors_the_c_struct(cname, pystruct):
-    structs, defines = _parsed_structs()
-    flat = _flatten(structs[cname], structs)
-    c_codes = [c for _, c in flat]
-    c_offsets, c_size = _c_layout(c_codes)
-    py_codes, py_offsets, py_size = _py_layout(pystruct.format)
-    assert py_codes == c_codes, f"{cname}: field order/count differs:\nC  {''.join(c_codes)}\npy {''.join(py_codes)}"
-    assert py_offsets == c_offsets, f"{cname}: implicit C padding the Python format does not have"
-    assert py_size == c_size == pystruct.size
-
-
-def test_constants_match_the_c_defines():
-    _, defines = _parsed_structs()
-    assert defines["SMX_MAXD"] == _core.MAXD and defines["SMX_NOP"] == _core.NOP
-    assert defines["SMX_F_CAUSAL"] == _core.F_CAUSAL and defines["SMX_F_KLEN"] == _core.F_KLEN
-    assert defines["SMX_F_KLEN64"] == _core.F_KLEN64 and defines["SMX_F_VEC"] == _core.F_VEC
-    assert defines["SMX_B_VEC"] == _core.F_VEC
+def test_pack_unpack_round_trip():
+    vals = {"rows": 12, "sk": 40, "flags": 3, "scale": 0.5, "map_x.nterms": 2, "map_x.div": [1, 12]}
+    back = _params.FWD.unpack(_params.FWD.pack(vals))
+    assert back["rows"] == 12 and back["sk"] == 40 and back["scale"] == 0.5
+    assert back["map_x.div"] == [1, 12, 0, 0, 0, 0] and back["map_y.nterms"] == 0
 
 
 class _FakeDevice:
@@ -460,14 +368,6 @@ class _FakeDevice:
 
     def kernel(self, name):
         return f"<CUfunction {name}>"
-
-
-def _unpack(cname, pystruct, prep):
-    structs, _ = _parsed_structs()
-    names = [n for n, _ in _flatten(structs[cname], structs)]
-    raw = bytes(prep.params.raw)
-    assert len(raw) == pystruct.size
-    return dict(zip(names, pystruct.unpack(raw), strict=True))
 
 
 def test_prepared_forward_parameters_read_back_under_c_names():
@@ -478,22 +378,17 @@ def test_prepared_forward_parameters_read_back_under_c_names():
     mask = Op(0x3000, "bool", (2, 1, 4, 40), _contig((2, 1, 4, 40)))
     klen = Op(0x4000, "int64", (2,), (1,))
     prep = _core.prepare_forward(_FakeDevice(), x, y, mask, klen, True, 0.125, True)
-    f = _unpack("FwdParams", _core.FWD_STRUCT, prep)
-    assert prep.kernel == "<CUfunction smx_fwd_short<smx_f16, MaskHide<smx_u8>, 4>>" and prep.nargs == 5
-    assert f["g.rows"] == 24 and f["g.ndim"] == 3 and f["g.small"] == 1
-    assert [f[f"g.size[{d}]"] for d in range(6)] == [2, 3, 4, 1, 1, 1]
-    stride = [[f[f"g.stride[{k}][{d}]"] for d in range(3)] for k in range(5)]
-    # operands: 0 x, 1 y, 2 mask, 3 key_lengths (stride 1 along B), 4 query index (stride 1 along Sq)
-    assert stride == [[480, 160, 40], [480, 160, 40], [160, 0, 40], [1, 0, 0], [0, 0, 1]]
-    assert (f["sk"], f["sx"], f["sy"], f["sm"], f["causal_shift"]) == (40, 1, 1, 1, 36)
-    assert f["scale"] == 0.125
-    assert f["flags"] == _core.F_CAUSAL | _core.F_KLEN | _core.F_KLEN64 | _core.F_VEC
-    assert f["tpr_log2"] == prep.plan.tpr_log2 == 3  # 5 chunks -> 8 threads
+    f = _params.FWD.unpack(bytes(prep.params.raw))
+    assert prep.kernel == "<CUfunction smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 2>>" and prep.nargs == 5
+    assert f["rows"] == 24 and f["sk"] == 40 and f["scale"] == 0.125
+    assert (f["sx"], f["sy"], f["sm"], f["causal_shift"]) == (1, 1, 1, 36)
+    assert f["flags"] == _core.F_CAUSAL | _core.F_KLEN | _core.F_KLEN64 | _core.F_VEC | _core.F_MVEC | _core.F_SMALL
+    assert f["tpr_log2"] == prep.plan.tpr_log2 == 2  # 5 chunks over 2 per thread -> 4 threads
+    assert f["map_x.nterms"] == 1 and f["map_x.stride"][0] == 40 and f["map_x.dmul"][0] == 0
+    assert f["map_m.nterms"] == 2 and f["map_m.mod"][:2] == [4, 0] and f["map_m.div"][:2] == [1, 12]
+    assert f["map_k.nterms"] == 1 and f["map_k.div"][0] == 12
+    assert f["map_q.nterms"] == 1 and f["map_q.mod"][0] == 4
     assert (prep.grid, prep.block) == (prep.plan.grid, prep.plan.block) == (1, 128)
-    # Division by the inner sizes (3 and 4) through multiply-high and shift; the outermost needs none.
-    for d, n in ((1, 3), (2, 4)):
-        m, sh = f[f"g.mul[{d}]"], f[f"g.shr[{d}]"]
-        assert all(((r * m) >> 32) >> sh == r // n for r in range(0, 5000, 7))
 
 
 def test_prepared_forward_strided_int32_klen_no_vector():
@@ -503,10 +398,10 @@ def test_prepared_forward_strided_int32_klen_no_vector():
     y = Op(0x2000, "float32", shape, _contig(shape))
     klen = Op(0x4000, "int32", (3,), (1,))
     prep = _core.prepare_forward(_FakeDevice(), x, y, None, klen, False, -2.0, False)
-    f = _unpack("FwdParams", _core.FWD_STRUCT, prep)
-    assert f["flags"] == _core.F_KLEN and f["causal_shift"] == 0 and f["scale"] == -2.0
+    f = _params.FWD.unpack(bytes(prep.params.raw))
+    assert f["flags"] == _core.F_KLEN | _core.F_SMALL and f["causal_shift"] == 0 and f["scale"] == -2.0
     assert (f["sk"], f["sx"], f["sy"], f["sm"]) == (33, 2, 1, 0)
-    assert f["g.ndim"] == 2 and [f["g.size[0]"], f["g.size[1]"]] == [3, 5]
+    assert f["map_x.nterms"] == 2 and f["map_x.stride"][:2] == [66, 400]
     assert prep.plan.vector is False and "MaskNone" in prep.plan.kernel
 
 
@@ -517,9 +412,8 @@ def test_prepared_backward_parameters_read_back_under_c_names():
     prep = _core.prepare_backward(
         _FakeDevice(), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c), 0.5, True
     )
-    f = _unpack("BwdParams", _core.BWD_STRUCT, prep)
-    assert prep.plan.tier == "loop" and prep.kernel == "<CUfunction smx_bwd_loop<smx_bf16>>" and prep.nargs == 4
-    assert f["g.rows"] == 6 and f["g.ndim"] == 1 and f["g.size[0]"] == 6
-    assert [f[f"g.stride[{k}][0]"] for k in range(5)] == [50000, 50000, 50000, 0, 0]
+    f = _params.BWD.unpack(bytes(prep.params.raw))
+    assert prep.plan.tier == "loop" and prep.kernel == "<CUfunction smx_bwd_loop<smx_bf16, 8>>" and prep.nargs == 4
+    assert f["rows"] == 6 and [f[f"map_{k}.stride"][0] for k in ("dy", "y", "dx")] == [50000] * 3
     assert (f["sk"], f["sdy"], f["sy"], f["sdx"], f["scale"]) == (50000, 1, 1, 1, 0.5)
-    assert f["flags"] == _core.F_VEC and f["tpr_log2"] == 10
+    assert f["flags"] == _core.F_VEC | _core.F_SMALL and f["tpr_log2"] == 8
