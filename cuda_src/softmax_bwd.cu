@@ -14,6 +14,7 @@ template <typename T> struct BwdRow {
   T* dx;
   int ofs;   // as FwdRow::ofs
   bool act;
+  int c0, c1;  // chunks c0 <= c < c1 are whole 16-byte blocks inside the row (vector access)
 };
 
 template <typename T>
@@ -25,30 +26,42 @@ __device__ __forceinline__ BwdRow<T> smx_bwd_row(const T* dy, const T* y, T* dx,
   r.dx = dx;
   r.ofs = 0;
   r.act = row < p.rows;
+  r.c0 = r.c1 = 0;
   if (!r.act) return r;
   const bool small = (p.flags & SMX_F_SMALL) != 0;
-  r.dy = dy + smx_row_offset(p.map_dy, row, small);
-  r.y = y + smx_row_offset(p.map_y, row, small);
-  r.dx = dx + smx_row_offset(p.map_dx, row, small);
-  if (p.flags & SMX_F_VEC) r.ofs = (int)(((smx_u64)r.y & 15) / sizeof(T));
+  const smx_i64 oy = smx_row_offset(p.map_y, row, small);
+  const bool same = (p.flags & SMX_F_SAMEMAP) != 0;
+  r.dy = dy + (same ? oy : smx_row_offset(p.map_dy, row, small));
+  r.y = y + oy;
+  r.dx = dx + (same ? oy : smx_row_offset(p.map_dx, row, small));
+  if (p.flags & SMX_F_VEC) {
+    enum { N = Chunk<T>::N };
+    r.ofs = (int)(((smx_u64)r.y & 15) / sizeof(T));
+    r.c0 = r.ofs > 0;
+    r.c1 = (p.sk + r.ofs) / N;
+  }
   return r;
 }
 
 // One chunk of a row (elements j0 .. j0 + N - 1), raw; element-wise where it is not a
 // whole aligned chunk inside the row.
 template <typename T>
-__device__ __forceinline__ void smx_load_chunk(Chunk<T>& ch, const T* row, smx_i64 st, int j0, int sk, bool vec) {
+__device__ __forceinline__ void smx_load_chunk(Chunk<T>& ch, const T* row, smx_i64 st, int j0, int sk, bool vec,
+                                               const T* base, smx_i64 span) {
   enum { N = Chunk<T>::N };
-  if (vec && j0 >= 0 && j0 + N <= sk) {
-    ch.raw = smx_ld16(row + j0);
-  } else if (j0 < sk && j0 + N > 0) {
-    smx_gather<sizeof(T), 4>(ch.w, row, st, j0, sk, N);
+  if (j0 < sk && j0 + N > 0) {
+    if (vec && ((j0 >= 0 && j0 + N <= sk) || (row + j0 >= base && row + j0 + N <= base + span))) {
+      ch.raw = smx_ld16(row + j0);
+    } else {
+      smx_gather<sizeof(T), 4>(ch.w, row, st, j0, sk, N);
+    }
   }
 }
 
 template <typename T, int NCH, int RPT>
 __device__ __forceinline__ void smx_bwd_load(Chunk<T> (&cd)[RPT][NCH], Chunk<T> (&cy)[RPT][NCH],
-                                             const BwdRow<T> (&rw)[RPT], int c0, int tpr, const SmxBwdParams& p) {
+                                             const BwdRow<T> (&rw)[RPT], int c0, int tpr, const SmxBwdParams& p,
+                                             const T* dy, const T* y) {
   enum { N = Chunk<T>::N };
   const bool vec = (p.flags & SMX_F_VEC) != 0;
 #pragma unroll
@@ -56,9 +69,15 @@ __device__ __forceinline__ void smx_bwd_load(Chunk<T> (&cd)[RPT][NCH], Chunk<T> 
     const int sk = rw[r].act ? p.sk : 0;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
-      smx_load_chunk<T>(cd[r][k], rw[r].dy, p.sdy, j0, sk, vec);
-      smx_load_chunk<T>(cy[r][k], rw[r].y, p.sy, j0, sk, vec);
+      const int c = c0 + k * tpr;
+      const int j0 = c * N - rw[r].ofs;
+      if (smx_in(c, rw[r].c0, rw[r].c1)) {
+        cd[r][k].raw = smx_ld16(rw[r].dy + j0);
+        cy[r][k].raw = smx_ld16(rw[r].y + j0);
+        continue;
+      }
+      smx_load_chunk<T>(cd[r][k], rw[r].dy, p.sdy, j0, sk, vec, dy, p.span_dy);
+      smx_load_chunk<T>(cy[r][k], rw[r].y, p.sy, j0, sk, vec, y, p.span_y);
     }
   }
 }
@@ -75,13 +94,17 @@ __device__ __forceinline__ void smx_bwd_dot(float (&dot)[RPT], const Chunk<T> (&
     dot[r] = 0.0f;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
-      const bool full = j0 >= 0 && j0 + N <= sk;
+      const int c = c0 + k * tpr;
+      const int j0 = c * N - rw[r].ofs;
+      if (smx_in(c, rw[r].c0, rw[r].c1) || (j0 >= 0 && j0 + N <= sk)) {
 #pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const int j = j0 + e;
-        const bool in = full || (j >= 0 && j < sk);
-        dot[r] = fmaf(in ? smx_to_f32(cd[r][k].e[e]) : 0.0f, in ? smx_to_f32(cy[r][k].e[e]) : 0.0f, dot[r]);
+        for (int e = 0; e < N; ++e) dot[r] = fmaf(smx_to_f32(cd[r][k].e[e]), smx_to_f32(cy[r][k].e[e]), dot[r]);
+      } else {  // a chunk not wholly inside the row: rare
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const int j = j0 + e;
+          if (j >= 0 && j < sk) dot[r] = fmaf(smx_to_f32(cd[r][k].e[e]), smx_to_f32(cy[r][k].e[e]), dot[r]);
+        }
       }
     }
   }
@@ -99,7 +122,8 @@ __device__ __forceinline__ void smx_bwd_store(const Chunk<T> (&cd)[RPT][NCH], co
     if (!rw[r].act) continue;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const int c = c0 + k * tpr;
+      const int j0 = c * N - rw[r].ofs;
       float o[N];
 #pragma unroll
       for (int e = 0; e < N; ++e) {
@@ -108,7 +132,7 @@ __device__ __forceinline__ void smx_bwd_store(const Chunk<T> (&cd)[RPT][NCH], co
       }
       Chunk<T> ch;
       ch.raw = smx_pack_chunk<T>(o);
-      if (vec && j0 >= 0 && j0 + N <= p.sk) {
+      if (smx_in(c, rw[r].c0, rw[r].c1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
         smx_st16(rw[r].dx + j0, ch.raw);
       } else if (j0 < p.sk && j0 + N > 0) {
         smx_scatter<sizeof(T), 4>(rw[r].dx, p.sdx, ch.w, j0, p.sk, N);
@@ -154,7 +178,7 @@ smx_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, c
 #pragma unroll
   for (int r = 0; r < RPT; ++r) rw[r] = smx_bwd_row<T>(dy, y, dx, p, row0 + (smx_i64)r * rpb);
   Chunk<T> cd[RPT][NCH], cy[RPT][NCH];
-  smx_bwd_load<T, NCH, RPT>(cd, cy, rw, lane, tpr, p);
+  smx_bwd_load<T, NCH, RPT>(cd, cy, rw, lane, tpr, p, dy, y);
   float dot[RPT];
   smx_bwd_dot<T, NCH, RPT>(dot, cd, cy, rw, lane, tpr, p.sk);
   smx_row_sum<RPT>(dot, tpr, red);
@@ -176,14 +200,14 @@ smx_bwd_loop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ 
   for (int c0 = 0; c0 < nall; c0 += seg) {
     Chunk<T> cd[1][NCH], cy[1][NCH];
     float t[1];
-    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p);
+    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p, dy, y);
     smx_bwd_dot<T, NCH, 1>(t, cd, cy, rw, c0 + lane, tpr, p.sk);
     dot[0] += t[0];
   }
   smx_row_sum<1>(dot, tpr, red);
   for (int c0 = 0; c0 < nall; c0 += seg) {
     Chunk<T> cd[1][NCH], cy[1][NCH];
-    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p);
+    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p, dy, y);
     smx_bwd_store<T, NCH, 1>(cd, cy, dot, rw, c0 + lane, tpr, p);
   }
 }

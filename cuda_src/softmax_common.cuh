@@ -141,6 +141,9 @@ template <> __device__ __forceinline__ uint4 smx_pack_chunk<float>(const float (
   return v;
 }
 
+// c in [lo, hi), in one comparison.
+__device__ __forceinline__ bool smx_in(int c, int lo, int hi) { return (unsigned)(c - lo) < (unsigned)(hi - lo); }
+
 // ---------------------------------------------------------------------------------
 // Row maps (see softmax_params.cuh): the element offset of a row for one operand.  The
 // term loop is unrolled (kernel parameters must be indexed by constants, or the compiler

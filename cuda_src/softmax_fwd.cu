@@ -56,6 +56,9 @@ template <typename T, class M> struct FwdRow {
   int ofs;    // elements of the row before its first 16-byte boundary, negated: chunk c
               // starts at element c * N - ofs
   bool mvec;  // the mask row can be read a chunk at a time
+  // Chunks c in [c0, c1) are whole 16-byte blocks inside the row and wholly visible: the
+  // fast path (one vector access, no per-element checks).  Stores: [c0, cs1).
+  int c0, c1, cs1;
 };
 
 template <typename T, class M>
@@ -70,10 +73,12 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
   r.lim = 0;
   r.ofs = 0;
   r.mvec = false;
+  r.c0 = r.c1 = r.cs1 = 0;
   if (row >= p.rows) return r;
   const bool small = (p.flags & SMX_F_SMALL) != 0;
-  r.x = x + smx_row_offset(p.map_x, row, small);
-  r.y = y + smx_row_offset(p.map_y, row, small);
+  const smx_i64 ox = smx_row_offset(p.map_x, row, small);
+  r.x = x + ox;
+  r.y = y + ((p.flags & SMX_F_SAMEMAP) ? ox : smx_row_offset(p.map_y, row, small));
   if (p.flags & SMX_F_VEC) r.ofs = (int)(((smx_u64)r.x & 15) / sizeof(T));
   if (M::PRESENT) {
     r.m += smx_row_offset(p.map_m, row, small);
@@ -91,14 +96,19 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
     lim = n < lim ? n : lim;
   }
   r.lim = lim < 0 ? 0 : (int)lim;
+  if (p.flags & SMX_F_VEC) {
+    r.c0 = r.ofs > 0;
+    r.c1 = (r.lim + r.ofs) / N;
+    r.cs1 = (p.sk + r.ofs) / N;
+  }
   return r;
 }
 
 // LOAD: chunks c0 + k * tpr + lane (k < NCH) of each row, raw.
 template <typename T, class M, int NCH, int RPT>
 __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
-                                             const FwdRow<T, M> (&rw)[RPT], int c0, int tpr,
-                                             const SmxFwdParams& p) {
+                                             const FwdRow<T, M> (&rw)[RPT], int c0, int tpr, const SmxFwdParams& p,
+                                             const T* x, const typename M::S* m0) {
   enum { N = Chunk<T>::N };
   typedef typename M::S S;
   enum { MW = N * (int)sizeof(S) / 4 };  // words of a mask chunk
@@ -107,19 +117,36 @@ __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk
   for (int r = 0; r < RPT; ++r) {
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const int c = c0 + k * tpr;
+      const int j0 = c * N - rw[r].ofs;
       const int lim = rw[r].lim;
-      const bool full = j0 >= 0 && j0 + N <= lim;
-      if (vec && full) {
+      if (smx_in(c, rw[r].c0, rw[r].c1)) {
         cx[r][k].raw = smx_ld16(rw[r].x + j0);
-      } else if (j0 < lim && j0 + N > 0) {
-        smx_gather<sizeof(T), 4>(cx[r][k].w, rw[r].x, p.sx, j0, lim, N);
+        if (M::PRESENT) {
+          if (rw[r].mvec) {
+            smx_load_bytes(cm[r][k].b, rw[r].m + j0);
+          } else {
+            smx_gather<sizeof(S), MW>(cm[r][k].b.w, rw[r].m, p.sm, j0, lim, N);
+          }
+        }
+        continue;
       }
-      if (M::PRESENT) {
-        if (rw[r].mvec && full) {
-          smx_load_bytes(cm[r][k].b, rw[r].m + j0);
-        } else if (j0 < lim && j0 + N > 0) {
-          smx_gather<sizeof(S), MW>(cm[r][k].b.w, rw[r].m, p.sm, j0, lim, N);
+      // Chunks holding a visible key are read.  A whole 16-byte block is read where it
+      // lies inside the row or anywhere inside the tensor (bytes of a neighbouring row are
+      // read and ignored); element-wise only at the tensor's very ends and for strided rows.
+      if (j0 < lim && j0 + N > 0) {
+        const bool inrow = j0 >= 0 && j0 + N <= p.sk;
+        if (vec && (inrow || (rw[r].x + j0 >= x && rw[r].x + j0 + N <= x + p.span_x))) {
+          cx[r][k].raw = smx_ld16(rw[r].x + j0);
+        } else {
+          smx_gather<sizeof(T), 4>(cx[r][k].w, rw[r].x, p.sx, j0, lim, N);
+        }
+        if (M::PRESENT) {
+          if (rw[r].mvec && (inrow || (rw[r].m + j0 >= m0 && rw[r].m + j0 + N <= m0 + p.span_m))) {
+            smx_load_bytes(cm[r][k].b, rw[r].m + j0);
+          } else {
+            smx_gather<sizeof(S), MW>(cm[r][k].b.w, rw[r].m, p.sm, j0, lim, N);
+          }
         }
       }
     }
@@ -138,17 +165,20 @@ __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N]
     mx[r] = -SMX_INF;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const int c = c0 + k * tpr;
+      const int j0 = c * N - rw[r].ofs;
       const int lim = rw[r].lim;
-      const bool full = j0 >= 0 && j0 + N <= lim;
 #pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const int j = j0 + e;
-        const bool vis = full || (j >= 0 && j < lim);
-        const float z = M::apply(smx_to_f32(cx[r][k].e[e]) * scale, cm[r][k].e[e]);
-        v[r][k][e] = vis ? z : -SMX_INF;
-        mx[r] = fmaxf(mx[r], v[r][k][e]);
+      for (int e = 0; e < N; ++e) v[r][k][e] = M::apply(smx_to_f32(cx[r][k].e[e]) * scale, cm[r][k].e[e]);
+      if (!smx_in(c, rw[r].c0, rw[r].c1) && !(j0 >= 0 && j0 + N <= lim)) {  // not wholly visible: rare
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          const int j = j0 + e;
+          if (j < 0 || j >= lim) v[r][k][e] = -SMX_INF;
+        }
       }
+#pragma unroll
+      for (int e = 0; e < N; ++e) mx[r] = fmaxf(mx[r], v[r][k][e]);
     }
   }
 }
@@ -165,13 +195,14 @@ __device__ __forceinline__ void smx_fwd_store(const float (&v)[RPT][NCH][Chunk<T
     if (!act[r]) continue;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
-      const int j0 = (c0 + k * tpr) * N - rw[r].ofs;
+      const int c = c0 + k * tpr;
+      const int j0 = c * N - rw[r].ofs;
       float o[N];
 #pragma unroll
       for (int e = 0; e < N; ++e) o[e] = v[r][k][e] * inv[r];
       Chunk<T> ch;
       ch.raw = smx_pack_chunk<T>(o);
-      if (vec && j0 >= 0 && j0 + N <= p.sk) {
+      if (smx_in(c, rw[r].c0, rw[r].cs1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
         smx_st16(rw[r].y + j0, ch.raw);
       } else if (j0 < p.sk && j0 + N > 0) {
         smx_scatter<sizeof(T), 4>(rw[r].y, p.sy, ch.w, j0, p.sk, N);
@@ -205,10 +236,19 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   const int first = warp & ~(wpr - 1);
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
-    float M = red[r][0][first], S = red[r][1][first];
+    float M = -SMX_INF;
 #pragma unroll
-    for (int i = 1; i < SMX_BLOCK / 32; ++i)
-      if (i < wpr) smx_pair_merge(M, S, red[r][0][first + i], red[r][1][first + i]);
+    for (int i = 0; i < SMX_BLOCK / 32; ++i)
+      if (i < wpr) M = fmaxf(M, red[r][0][first + i]);
+    float S = 0.0f;
+#pragma unroll
+    for (int i = 0; i < SMX_BLOCK / 32; ++i) {
+      if (i < wpr) {
+        const float si = red[r][1][first + i];
+        // A warp that saw nothing visible adds nothing (its max may be -inf); NaN stays.
+        if (si != 0.0f) S += si * smx_exp2((smx_max_use(red[r][0][first + i]) - smx_max_use(M)) * SMX_LOG2E);
+      }
+    }
     // This warp's terms were taken relative to its own max.
     const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M)) * SMX_LOG2E);
     fac[r] = f * smx_inv_sum(S);
@@ -237,7 +277,7 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   }
   Chunk<T> cx[RPT][NCH];
   MaskChunk<M, N> cm[RPT][NCH];
-  smx_fwd_load<T, M, NCH, RPT>(cx, cm, rw, lane, tpr, p);
+  smx_fwd_load<T, M, NCH, RPT>(cx, cm, rw, lane, tpr, p, x, (const typename M::S*)mask);
 
   float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
   smx_fwd_values<T, M, NCH, RPT>(v, mx, cx, cm, rw, lane, tpr, p.scale);
@@ -282,7 +322,7 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     Chunk<T> cx[1][NCH];
     MaskChunk<M, N> cm[1][NCH];
     float v[1][NCH][N], mx[1];
-    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p);
+    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
     smx_fwd_values<T, M, NCH, 1>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
     const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
     float t = 0.0f;
@@ -305,7 +345,7 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     Chunk<T> cx[1][NCH];
     MaskChunk<M, N> cm[1][NCH];
     float v[1][NCH][N], mx[1];
-    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p);
+    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
     smx_fwd_values<T, M, NCH, 1>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
 #pragma unroll
     for (int k = 0; k < NCH; ++k)

@@ -12,6 +12,7 @@ typedef unsigned int smx_u32;
 #define SMX_F_VEC 8  // x/y (dy/y/dx) rows are unit-stride and share their alignment: 16-byte chunks
 #define SMX_F_MVEC 16  // mask rows are unit-stride: chunk-wide mask accesses where a row's alignment allows
 #define SMX_F_SMALL 32  // rows and every row-map quantity are below 2**31: 32-bit magic division
+#define SMX_F_SAMEMAP 64  // y (dy, dx) rows sit where x's (y's) do: one row map serves them all
 
 typedef struct SmxRowMap {
   smx_i64 div[6];  // row / div ...
@@ -33,6 +34,8 @@ typedef struct SmxFwdParams {
   smx_i64 sy;  // element stride of y along a row
   smx_i64 sm;  // element stride of the mask along a row (0: broadcast)
   smx_i64 causal_shift;  // Sk - Sq
+  smx_i64 span_x;  // elements from x to one past its last: whole 16-byte blocks inside are readable
+  smx_i64 span_m;  // the same for the mask
   float scale;  // multiplies x before the mask
   int tpr_log2;  // log2(threads per row)
   SmxRowMap map_x;
@@ -49,6 +52,8 @@ typedef struct SmxBwdParams {
   smx_i64 sdy;  // element stride of dy along a row
   smx_i64 sy;  // element stride of y along a row
   smx_i64 sdx;  // element stride of dx along a row
+  smx_i64 span_dy;  // elements from dy to one past its last
+  smx_i64 span_y;  // elements from y to one past its last
   float scale;  // dx = scale * y * (dy - sum(dy * y))
   int tpr_log2;  // log2(threads per row)
   SmxRowMap map_dy;
@@ -79,7 +84,7 @@ SMX_CHECK_OFFSET(SmxRowMap, mmul, 192);
 SMX_CHECK_OFFSET(SmxRowMap, mshr, 216);
 SMX_CHECK_OFFSET(SmxRowMap, nterms, 240);
 SMX_CHECK_OFFSET(SmxRowMap, pad, 244);
-SMX_STATIC_ASSERT(sizeof(SmxFwdParams) == 1296, "SmxFwdParams size");
+SMX_STATIC_ASSERT(sizeof(SmxFwdParams) == 1312, "SmxFwdParams size");
 SMX_CHECK_OFFSET(SmxFwdParams, rows, 0);
 SMX_CHECK_OFFSET(SmxFwdParams, sk, 8);
 SMX_CHECK_OFFSET(SmxFwdParams, flags, 12);
@@ -87,86 +92,90 @@ SMX_CHECK_OFFSET(SmxFwdParams, sx, 16);
 SMX_CHECK_OFFSET(SmxFwdParams, sy, 24);
 SMX_CHECK_OFFSET(SmxFwdParams, sm, 32);
 SMX_CHECK_OFFSET(SmxFwdParams, causal_shift, 40);
-SMX_CHECK_OFFSET(SmxFwdParams, scale, 48);
-SMX_CHECK_OFFSET(SmxFwdParams, tpr_log2, 52);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.div, 56);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.mod, 104);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.stride, 152);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.dmul, 200);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.dshr, 224);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.mmul, 248);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.mshr, 272);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.nterms, 296);
-SMX_CHECK_OFFSET(SmxFwdParams, map_x.pad, 300);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.div, 304);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.mod, 352);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.stride, 400);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.dmul, 448);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.dshr, 472);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.mmul, 496);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.mshr, 520);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.nterms, 544);
-SMX_CHECK_OFFSET(SmxFwdParams, map_y.pad, 548);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.div, 552);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.mod, 600);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.stride, 648);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.dmul, 696);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.dshr, 720);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.mmul, 744);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.mshr, 768);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.nterms, 792);
-SMX_CHECK_OFFSET(SmxFwdParams, map_m.pad, 796);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.div, 800);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.mod, 848);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.stride, 896);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.dmul, 944);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.dshr, 968);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.mmul, 992);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.mshr, 1016);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.nterms, 1040);
-SMX_CHECK_OFFSET(SmxFwdParams, map_k.pad, 1044);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.div, 1048);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.mod, 1096);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.stride, 1144);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.dmul, 1192);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.dshr, 1216);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.mmul, 1240);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.mshr, 1264);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.nterms, 1288);
-SMX_CHECK_OFFSET(SmxFwdParams, map_q.pad, 1292);
-SMX_STATIC_ASSERT(sizeof(SmxBwdParams) == 792, "SmxBwdParams size");
+SMX_CHECK_OFFSET(SmxFwdParams, span_x, 48);
+SMX_CHECK_OFFSET(SmxFwdParams, span_m, 56);
+SMX_CHECK_OFFSET(SmxFwdParams, scale, 64);
+SMX_CHECK_OFFSET(SmxFwdParams, tpr_log2, 68);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.div, 72);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.mod, 120);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.stride, 168);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.dmul, 216);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.dshr, 240);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.mmul, 264);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.mshr, 288);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.nterms, 312);
+SMX_CHECK_OFFSET(SmxFwdParams, map_x.pad, 316);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.div, 320);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.mod, 368);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.stride, 416);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.dmul, 464);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.dshr, 488);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.mmul, 512);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.mshr, 536);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.nterms, 560);
+SMX_CHECK_OFFSET(SmxFwdParams, map_y.pad, 564);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.div, 568);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.mod, 616);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.stride, 664);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.dmul, 712);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.dshr, 736);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.mmul, 760);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.mshr, 784);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.nterms, 808);
+SMX_CHECK_OFFSET(SmxFwdParams, map_m.pad, 812);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.div, 816);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.mod, 864);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.stride, 912);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.dmul, 960);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.dshr, 984);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.mmul, 1008);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.mshr, 1032);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.nterms, 1056);
+SMX_CHECK_OFFSET(SmxFwdParams, map_k.pad, 1060);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.div, 1064);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.mod, 1112);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.stride, 1160);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.dmul, 1208);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.dshr, 1232);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.mmul, 1256);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.mshr, 1280);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.nterms, 1304);
+SMX_CHECK_OFFSET(SmxFwdParams, map_q.pad, 1308);
+SMX_STATIC_ASSERT(sizeof(SmxBwdParams) == 808, "SmxBwdParams size");
 SMX_CHECK_OFFSET(SmxBwdParams, rows, 0);
 SMX_CHECK_OFFSET(SmxBwdParams, sk, 8);
 SMX_CHECK_OFFSET(SmxBwdParams, flags, 12);
 SMX_CHECK_OFFSET(SmxBwdParams, sdy, 16);
 SMX_CHECK_OFFSET(SmxBwdParams, sy, 24);
 SMX_CHECK_OFFSET(SmxBwdParams, sdx, 32);
-SMX_CHECK_OFFSET(SmxBwdParams, scale, 40);
-SMX_CHECK_OFFSET(SmxBwdParams, tpr_log2, 44);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.div, 48);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.mod, 96);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.stride, 144);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.dmul, 192);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.dshr, 216);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.mmul, 240);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.mshr, 264);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.nterms, 288);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dy.pad, 292);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.div, 296);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.mod, 344);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.stride, 392);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.dmul, 440);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.dshr, 464);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.mmul, 488);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.mshr, 512);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.nterms, 536);
-SMX_CHECK_OFFSET(SmxBwdParams, map_y.pad, 540);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.div, 544);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.mod, 592);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.stride, 640);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.dmul, 688);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.dshr, 712);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.mmul, 736);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.mshr, 760);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.nterms, 784);
-SMX_CHECK_OFFSET(SmxBwdParams, map_dx.pad, 788);
+SMX_CHECK_OFFSET(SmxBwdParams, span_dy, 40);
+SMX_CHECK_OFFSET(SmxBwdParams, span_y, 48);
+SMX_CHECK_OFFSET(SmxBwdParams, scale, 56);
+SMX_CHECK_OFFSET(SmxBwdParams, tpr_log2, 60);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.div, 64);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.mod, 112);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.stride, 160);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.dmul, 208);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.dshr, 232);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.mmul, 256);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.mshr, 280);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.nterms, 304);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dy.pad, 308);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.div, 312);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.mod, 360);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.stride, 408);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.dmul, 456);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.dshr, 480);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.mmul, 504);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.mshr, 528);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.nterms, 552);
+SMX_CHECK_OFFSET(SmxBwdParams, map_y.pad, 556);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.div, 560);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.mod, 608);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.stride, 656);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.dmul, 704);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.dshr, 728);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.mmul, 752);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.mshr, 776);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.nterms, 800);
+SMX_CHECK_OFFSET(SmxBwdParams, map_dx.pad, 804);

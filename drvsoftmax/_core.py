@@ -16,8 +16,8 @@ from . import _params, _plan
 from ._errors import arg_type_error, arg_value_error, check
 
 MAXD = _params.MAXT  # leading dims of one operand merge into at most this many terms
-F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC, F_SMALL = (
-    _params.FLAGS[k][0] for k in ("CAUSAL", "KLEN", "KLEN64", "VEC", "MVEC", "SMALL")
+F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC, F_SMALL, F_SAMEMAP = (
+    _params.FLAGS[k][0] for k in ("CAUSAL", "KLEN", "KLEN64", "VEC", "MVEC", "SMALL", "SAMEMAP")
 )
 MAX_SK = 2**31 - 1  # row-internal indices are 32-bit in the kernels
 
@@ -168,6 +168,13 @@ def rows_aligned(ops: list, lead: tuple, n: int) -> bool:
     return all(size == 1 or st % n == 0 for op in ops for size, st in zip(lead, op.strides[:-1]))
 
 
+def span(shape: tuple, strides: tuple) -> int:
+    """Elements from an array's first element to one past its last (strides >= 0)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(shape, strides))
+
+
 def mask_alignment(mask_dtype: str, x_dtype: str) -> int:
     """Byte alignment a mask row needs for one access per chunk (min(chunk bytes, 16))."""
     n = 16 // _plan.X_DTYPES[x_dtype][1]
@@ -253,12 +260,17 @@ def forward_params(
     small = rows < 2**31
     flags = F_SMALL if small else 0
     v: dict = {"rows": rows, "sk": sk, "sx": x.strides[-1], "sy": y.strides[-1], "scale": scale}
-    v.update(_map_fields("map_x", row_map(lead, x.strides[:-1]), small))
-    v.update(_map_fields("map_y", row_map(lead, y.strides[:-1]), small))
+    v["span_x"] = span(shape, x.strides)
+    mx, my = row_map(lead, x.strides[:-1]), row_map(lead, y.strides[:-1])
+    v.update(_map_fields("map_x", mx, small))
+    v.update(_map_fields("map_y", my, small))
+    if mx == my:
+        flags |= F_SAMEMAP
     mask_kind = "none"
     if mask is not None:
         mst = broadcast_strides("mask", tuple(mask.shape), tuple(mask.strides), shape)
         v["sm"] = mst[-1]
+        v["span_m"] = span(tuple(mask.shape), tuple(mask.strides))
         v.update(_map_fields("map_m", row_map(lead, mst[:-1]), small))
         mask_kind = MASK_KIND_OF_DTYPE[mask.dtype]
         if mst[-1] == 1:
@@ -299,9 +311,12 @@ def backward_params(dy: Operand, y: Operand, dx: Operand, scale: float, aligned:
     flags = F_SMALL if small else 0
     v: dict = {"rows": rows, "sk": shape[-1], "sdy": dy.strides[-1], "sy": y.strides[-1], "sdx": dx.strides[-1]}
     v["scale"] = scale
-    v.update(_map_fields("map_dy", row_map(lead, dy.strides[:-1]), small))
-    v.update(_map_fields("map_y", row_map(lead, y.strides[:-1]), small))
-    v.update(_map_fields("map_dx", row_map(lead, dx.strides[:-1]), small))
+    v["span_dy"], v["span_y"] = span(shape, dy.strides), span(shape, y.strides)
+    maps = [row_map(lead, op.strides[:-1]) for op in (dy, y, dx)]
+    for name, terms in zip(("map_dy", "map_y", "map_dx"), maps):
+        v.update(_map_fields(name, terms, small))
+    if maps[0] == maps[1] == maps[2]:
+        flags |= F_SAMEMAP
     itemsize = _plan.X_DTYPES[y.dtype][1]
     ops = [dy, y, dx]
     vec = aligned and _vector_ok(itemsize, ops, lead)

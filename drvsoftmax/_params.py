@@ -59,6 +59,7 @@ FLAGS = {
     "VEC": (8, "x/y (dy/y/dx) rows are unit-stride and share their alignment: 16-byte chunks"),
     "MVEC": (16, "mask rows are unit-stride: chunk-wide mask accesses where a row's alignment allows"),
     "SMALL": (32, "rows and every row-map quantity are below 2**31: 32-bit magic division"),
+    "SAMEMAP": (64, "y (dy, dx) rows sit where x's (y's) do: one row map serves them all"),
 }
 
 FWD_FIELDS = (
@@ -69,6 +70,8 @@ FWD_FIELDS = (
     Field("sy", "i64", 1, "element stride of y along a row"),
     Field("sm", "i64", 1, "element stride of the mask along a row (0: broadcast)"),
     Field("causal_shift", "i64", 1, "Sk - Sq"),
+    Field("span_x", "i64", 1, "elements from x to one past its last: whole 16-byte blocks inside are readable"),
+    Field("span_m", "i64", 1, "the same for the mask"),
     Field("scale", "f32", 1, "multiplies x before the mask"),
     Field("tpr_log2", "i32", 1, "log2(threads per row)"),
     Field("map_x", "map", 1, ""),
@@ -84,6 +87,8 @@ BWD_FIELDS = (
     Field("sdy", "i64", 1, "element stride of dy along a row"),
     Field("sy", "i64", 1, "element stride of y along a row"),
     Field("sdx", "i64", 1, "element stride of dx along a row"),
+    Field("span_dy", "i64", 1, "elements from dy to one past its last"),
+    Field("span_y", "i64", 1, "elements from y to one past its last"),
     Field("scale", "f32", 1, "dx = scale * y * (dy - sum(dy * y))"),
     Field("tpr_log2", "i32", 1, "log2(threads per row)"),
     Field("map_dy", "map", 1, ""),

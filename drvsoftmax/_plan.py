@@ -47,8 +47,8 @@ MAX_GRID = 2**31 - 1
 #   limit   NCH  RPT  threads per row      why
 FWD_TABLE = (
     (4, 1, 4, "C"),  # Sk <= 32 (16-bit), <= 16 (fp32): 4 rows x 1 chunk in flight per thread
-    (512, 2, 2, "C/2"),  # <= 4096 (16-bit): 2 rows x 2 chunks; above 64 chunks a row spans warps
-    (2048, 8, 1, "C/8"),  # <= 16384 (16-bit): 64..256 threads x 8 chunks (64 values per thread)
+    (64, 2, 2, "C/2"),  # <= 512 (16-bit): 2 rows x 2 chunks, rows within a warp
+    (2048, 8, 1, "C/8"),  # <= 16384 (16-bit): 8..256 threads x 8 chunks (64 values per thread)
     (4096, 16, 1, "C/16"),  # fp32 <= 16384: 256 threads x 16 chunks (64 values per thread)
 )
 BWD_TABLE = FWD_TABLE  # dy and y: twice the loads in flight, the values are not kept

@@ -49,11 +49,11 @@ CASES_16 = [
     (33, True, (2, 2), 4),
     (31, False, (2, 2), 4),  # 4 chunks + 1 for misalignment
     (128, True, (2, 2), 8),
-    (512, True, (2, 2), 32),  # rows still within a warp
-    (513, True, (2, 2), 64),  # rows span two warps
-    (4096, True, (2, 2), 256),
+    (512, True, (2, 2), 32),  # 64 chunks: 2 rows x 2 chunks ends, rows still within a warp
+    (513, True, (8, 1), 16),
+    (4096, True, (8, 1), 64),  # rows span 2 warps
     (4097, True, (8, 1), 128),
-    (4090, False, (8, 1), 128),
+    (4090, False, (8, 1), 128),  # 512 chunks + 1 for misalignment
     (16384, True, (8, 1), 256),
     (16385, True, "loop", 256),
     (16384, False, "loop", 256),
@@ -62,7 +62,8 @@ CASES_32 = [
     (16, True, (1, 4), 4),
     (17, True, (2, 2), 4),
     (256, True, (2, 2), 32),
-    (2048, True, (2, 2), 256),
+    (257, True, (8, 1), 16),
+    (2048, True, (8, 1), 64),
     (2049, True, (8, 1), 128),
     (8192, True, (8, 1), 256),
     (8193, True, (16, 1), 256),
@@ -189,7 +190,7 @@ def test_grid_beyond_the_launch_limit_is_an_argument_error():
     [
         ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 2>"),
         ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
-        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 2, 2>"),
+        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8, 1>"),
         ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>, 8>"),
         ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float, 8>"),
         ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 1, 4>"),
@@ -333,7 +334,7 @@ def test_the_header_in_the_tree_is_generated_from_params():
 
 
 def test_struct_sizes_and_layout():
-    assert _params.MAP.size == 248 and _params.FWD.size == 56 + 5 * 248 and _params.BWD.size == 48 + 3 * 248
+    assert _params.MAP.size == 248 and _params.FWD.size == 72 + 5 * 248 and _params.BWD.size == 64 + 3 * 248
     for lay in (_params.MAP, _params.FWD, _params.BWD):
         offs = list(lay.offsets.values())
         assert offs == sorted(offs) and lay.size == lay.struct.size
@@ -347,11 +348,10 @@ def test_a_c_compiler_checks_every_offset(tmp_path, lang):
     cmd = ["cc", "-fsyntax-only", "-x", lang, "-std=" + ("c11" if lang == "c" else "c++17"), str(hdr)]
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     # A wrong offset must fail the compile: the checks have teeth.
-    hdr.write_text(
-        _params.c_header().replace(
-            "SMX_CHECK_OFFSET(SmxFwdParams, scale, 48)", "SMX_CHECK_OFFSET(SmxFwdParams, scale, 52)"
-        )
-    )
+    off = _params.FWD.offsets["scale"]
+    good = f"SMX_CHECK_OFFSET(SmxFwdParams, scale, {off})"
+    assert good in _params.c_header()
+    hdr.write_text(_params.c_header().replace(good, f"SMX_CHECK_OFFSET(SmxFwdParams, scale, {off + 4})"))
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode != 0 and "SmxFwdParams.scale" in bad.stderr
 
@@ -382,7 +382,10 @@ def test_prepared_forward_parameters_read_back_under_c_names():
     assert prep.kernel == "<CUfunction smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 2>>" and prep.nargs == 5
     assert f["rows"] == 24 and f["sk"] == 40 and f["scale"] == 0.125
     assert (f["sx"], f["sy"], f["sm"], f["causal_shift"]) == (1, 1, 1, 36)
-    assert f["flags"] == _core.F_CAUSAL | _core.F_KLEN | _core.F_KLEN64 | _core.F_VEC | _core.F_MVEC | _core.F_SMALL
+    assert f["flags"] == (
+        _core.F_CAUSAL | _core.F_KLEN | _core.F_KLEN64 | _core.F_VEC | _core.F_MVEC | _core.F_SMALL | _core.F_SAMEMAP
+    )
+    assert f["span_x"] == 2 * 3 * 4 * 40 and f["span_m"] == 2 * 4 * 40
     assert f["tpr_log2"] == prep.plan.tpr_log2 == 2  # 5 chunks over 2 per thread -> 4 threads
     assert f["map_x.nterms"] == 1 and f["map_x.stride"][0] == 40 and f["map_x.dmul"][0] == 0
     assert f["map_m.nterms"] == 2 and f["map_m.mod"][:2] == [4, 0] and f["map_m.div"][:2] == [1, 12]
@@ -416,4 +419,5 @@ def test_prepared_backward_parameters_read_back_under_c_names():
     assert prep.plan.tier == "loop" and prep.kernel == "<CUfunction smx_bwd_loop<smx_bf16, 8>>" and prep.nargs == 4
     assert f["rows"] == 6 and [f[f"map_{k}.stride"][0] for k in ("dy", "y", "dx")] == [50000] * 3
     assert (f["sk"], f["sdy"], f["sy"], f["sdx"], f["scale"]) == (50000, 1, 1, 1, 0.5)
-    assert f["flags"] == _core.F_VEC | _core.F_SMALL and f["tpr_log2"] == 8
+    assert f["flags"] == _core.F_VEC | _core.F_SMALL | _core.F_SAMEMAP and f["tpr_log2"] == 8
+    assert f["span_dy"] == f["span_y"] == 6 * 50000
