@@ -38,7 +38,7 @@ __device__ __forceinline__ BwdRow<T> smx_bwd_row(const T* dy, const T* y, T* dx,
     enum { N = Chunk<T>::N };
     r.ofs = (int)(((smx_u64)r.y & 15) / sizeof(T));
     r.c0 = r.ofs > 0;
-    r.c1 = (p.sk + r.ofs) / N;
+    r.c1 = max(r.c0, (p.sk + r.ofs) / N);  // an empty range stays empty for smx_in
   }
   return r;
 }

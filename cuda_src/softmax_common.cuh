@@ -141,7 +141,7 @@ template <> __device__ __forceinline__ uint4 smx_pack_chunk<float>(const float (
   return v;
 }
 
-// c in [lo, hi), in one comparison.
+// c in [lo, hi), in one comparison (needs lo <= hi).
 __device__ __forceinline__ bool smx_in(int c, int lo, int hi) { return (unsigned)(c - lo) < (unsigned)(hi - lo); }
 
 // ---------------------------------------------------------------------------------

@@ -98,8 +98,8 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
   r.lim = lim < 0 ? 0 : (int)lim;
   if (p.flags & SMX_F_VEC) {
     r.c0 = r.ofs > 0;
-    r.c1 = (r.lim + r.ofs) / N;
-    r.cs1 = (p.sk + r.ofs) / N;
+    r.c1 = max(r.c0, (r.lim + r.ofs) / N);  // an empty range stays empty for smx_in
+    r.cs1 = max(r.c0, (p.sk + r.ofs) / N);
   }
   return r;
 }
