@@ -40,14 +40,13 @@ MASK_KINDS = {
 CHUNK_BYTES = 16  # one vector access
 BLOCK = 256  # SMX_BLOCK: the largest block, and the threads per row of the widest rows
 SMALL_BLOCK = 128  # block of rows of at most 32 threads
-LOOP_NCH = 8  # chunks per thread and segment of the looped tier
+LOOP_NCH = 4  # chunks per thread and segment of the looped tier
 MAX_GRID = 2**31 - 1
 
 # The register tier, by chunks per row C (rows of C chunks fit when C <= limit).
 #   limit   NCH  RPT  threads per row      why
 FWD_TABLE = (
-    (4, 1, 4, "C"),  # Sk <= 32 (16-bit), <= 16 (fp32): 4 rows x 1 chunk in flight per thread
-    (64, 2, 2, "C/2"),  # <= 512 (16-bit): 2 rows x 2 chunks, rows within a warp
+    (64, 2, 2, "C/2"),  # Sk <= 512 (16-bit), <= 256 (fp32): 2 rows x 2 chunks, rows within a warp
     (2048, 8, 1, "C/8"),  # <= 16384 (16-bit): 8..256 threads x 8 chunks (64 values per thread)
     (4096, 16, 1, "C/16"),  # fp32 <= 16384: 256 threads x 16 chunks (64 values per thread)
 )

@@ -18,10 +18,10 @@ pytestmark = requires_cuda
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Row lengths at the planner's boundaries (16-byte chunks per row C: 8 16-bit or 4 fp32
-# elements): 1 element and odd sizes; C = 4 (Sk 32 / 16) +-1, the end of 4 rows per
-# thread; C = 64 (512 / 256) +-1, where a row starts to span warps; C = 512 (4096 / 2048)
-# +-1 and C = 2048 (16384 / 8192) +-1, where chunks per thread grow; 16384 +-1, the end
-# of the register tier; the looped tier beyond.  Odd lengths make rows that start off a
+# elements): 1 element and odd sizes; C = 64 (512 / 256) +-1, the end of 2 rows x 2
+# chunks per thread; C = 512 (4096 / 2048) +-1, where a row spans several warps;
+# C = 2048 (16384 / 8192) +-1, the end of 8 chunks per thread (16-bit: of the register
+# tier); fp32 16384 +-1; the looped tier beyond.  Odd lengths make rows that start off a
 # 16-byte boundary (one chunk more per row, first and last chunk element-wise).
 SKS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 127, 255, 256, 257, 511, 512, 513, 1000, 1023, 2047, 2048, 2049]
 SKS += [4095, 4096, 4097, 8191, 8192, 8193, 16383, 16384, 16385, 32769, 65536]

@@ -42,11 +42,10 @@ def _contig(shape):
 # chunk more.
 #   (Sk, aligned rows, kernel config (nch, rpt) or "loop", threads per row)
 CASES_16 = [
-    (1, True, (1, 4), 1),
-    (8, True, (1, 4), 1),
-    (9, True, (1, 4), 2),
-    (32, True, (1, 4), 4),  # 4 chunks: 4 rows x 1 chunk per thread ends
-    (33, True, (2, 2), 4),
+    (1, True, (2, 2), 1),
+    (16, True, (2, 2), 1),
+    (17, True, (2, 2), 2),
+    (32, True, (2, 2), 2),
     (31, False, (2, 2), 4),  # 4 chunks + 1 for misalignment
     (128, True, (2, 2), 8),
     (512, True, (2, 2), 32),  # 64 chunks: 2 rows x 2 chunks ends, rows still within a warp
@@ -59,7 +58,8 @@ CASES_16 = [
     (16384, False, "loop", 256),
 ]
 CASES_32 = [
-    (16, True, (1, 4), 4),
+    (8, True, (2, 2), 1),
+    (16, True, (2, 2), 2),
     (17, True, (2, 2), 4),
     (256, True, (2, 2), 32),
     (257, True, (8, 1), 16),
@@ -85,7 +85,7 @@ def test_boundary_configs(dtype, backward, sk, aligned, cfg, tpr):
     assert _tpr(plan) == tpr, plan
     if cfg == "loop":
         assert plan.tier == "loop" and plan.grid == rows and plan.block == _plan.BLOCK
-        assert plan.kernel == (f"smx_bwd_loop<{t}, 8>" if backward else f"smx_fwd_loop<{t}, MaskHide<smx_u8>, 8>")
+        assert plan.kernel == (f"smx_bwd_loop<{t}, 4>" if backward else f"smx_fwd_loop<{t}, MaskHide<smx_u8>, 4>")
         return
     nch, rpt = cfg
     assert plan.tier == "register" and (plan.nch, plan.rpt) == (nch, rpt)
@@ -175,8 +175,8 @@ def test_every_mask_kind_is_reachable_from_some_dtype():
 
 
 def test_grid_beyond_the_launch_limit_is_an_argument_error():
-    p = _plan.plan_forward(2**39, 1, "float16", "none", True)
-    assert p.grid == 2**39 // 512  # 128 threads x 4 rows per block
+    p = _plan.plan_forward(2**38, 1, "float16", "none", True)
+    assert p.grid == 2**38 // 256  # 128 threads x 2 rows per block
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^x must be at most \d+ blocks of rows"):
         _plan.plan_forward(2**50, 100, "float16", "none", True)
 
@@ -191,9 +191,9 @@ def test_grid_beyond_the_launch_limit_is_an_argument_error():
         ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 2>"),
         ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
         ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8, 1>"),
-        ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>, 8>"),
-        ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float, 8>"),
-        ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 1, 4>"),
+        ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>, 4>"),
+        ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float, 4>"),
+        ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 2, 2>"),
     ],
 )
 def test_explain_names_tier_and_kernel(shape, dtype, kw, tier, needle):
@@ -416,7 +416,7 @@ def test_prepared_backward_parameters_read_back_under_c_names():
         _FakeDevice(), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c), Op(0, "bfloat16", shape, c), 0.5, True
     )
     f = _params.BWD.unpack(bytes(prep.params.raw))
-    assert prep.plan.tier == "loop" and prep.kernel == "<CUfunction smx_bwd_loop<smx_bf16, 8>>" and prep.nargs == 4
+    assert prep.plan.tier == "loop" and prep.kernel == "<CUfunction smx_bwd_loop<smx_bf16, 4>>" and prep.nargs == 4
     assert f["rows"] == 6 and [f[f"map_{k}.stride"][0] for k in ("dy", "y", "dx")] == [50000] * 3
     assert (f["sk"], f["sdy"], f["sy"], f["sdx"], f["scale"]) == (50000, 1, 1, 1, 0.5)
     assert f["flags"] == _core.F_VEC | _core.F_SMALL | _core.F_SAMEMAP and f["tpr_log2"] == 8
