@@ -20,8 +20,9 @@
 #      cutlass-dsl (all its wheels in one call: they share a top-level folder);
 #   4. in parallel: build apex's four softmax extensions with torch.utils.cpp_extension into
 #      $PEERS/apex_build/<name>/<name>.so (-O3 --use_fast_math and apex's half-operator flags);
-#      build drvsoftmax's packaged cubin for this GPU when drvsoftmax/_prebuilt is missing
-#      (the cold-start section times the first call from it); and fill the compile caches of
+#      build drvsoftmax's packaged cubin for this GPU into drvsoftmax/_prebuilt when it is missing
+#      or stale (the cold-start section times the first call from it, and the run then loads
+#      every kernel from it as an installed wheel would; BUILD_CUBIN=0 skips); fill the caches of
 #      quack, Liger and torch.compile for the benchmark's shapes (PREWARM=0 leaves that out);
 #   5. print which providers import.
 # The benchmark finds everything in $PEERS by itself (softbench/peers.py).
@@ -142,8 +143,18 @@ EOF
 else
     say "apex sources not staged yet (group c1)"
 fi
-if [ ! -f drvsoftmax/_prebuilt/manifest.json ]; then
-    SM="sm_${ARCH/./}"
+SM="sm_${ARCH/./}"
+cubin=$($PY - "$SM" 2>/dev/null <<'EOF'
+import json, sys
+sys.path.insert(0, ".")
+from drvsoftmax import _compiler
+m = json.load(open("drvsoftmax/_prebuilt/manifest.json"))
+fresh = m.get("source_hash") == _compiler.source_hash() and any(sys.argv[1] in f for f in m.get("files", {}))
+print("fresh" if fresh else "stale")
+EOF
+)
+if [ "${BUILD_CUBIN:-1}" != 0 ] && [ "$cubin" != fresh ]; then
+    say "drvsoftmax/_prebuilt: ${cubin:-missing}; building the $SM cubin into it (BUILD_CUBIN=0 skips)"
     $PY build_ptx.py --arch "$SM" --ptx >"$LOGS/build_ptx.log" 2>&1 &
     pids+=("$!:build_ptx-$SM")
 fi

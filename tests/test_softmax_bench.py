@@ -409,3 +409,14 @@ def test_cpu_smoke_run(tmp_path):
     a, w, m = R.tally(R.compare(rows))
     assert m == len(C.QUICK) + 1  # every case has eager, and the host row its peers
     assert f"== ahead in {a} of {m} cases" in r.stdout
+
+
+def test_prewarm_shards_the_plan():
+    """--prewarm makes the first call of each JIT-compiled provider once, on its shard of the cases."""
+    # shard 1 of 4 of the quick plan holds its one torch.compile case
+    assert [c.name for c in C.plan(quick=True)[1::4] if c.compile] == list(C.QUICK_COMPILE)
+    r = bench("--prewarm", "compile", "--shard", "1/4", "--cpu-smoke", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[prewarm 1/4] 1 first calls, 0 failed" in r.stdout
+    assert bench("--prewarm", "compile", "--shard", "4/4").returncode == 2
+    assert bench("--prewarm", "apex").returncode == 2

@@ -142,7 +142,8 @@ def make_inputs(torch, case: C.Case, copies: int, device: str = "cuda") -> list[
 def check_rows(torch, n_rows: int, sk: int, device) -> object:
     """Row indices spread over the whole output (first and last included), at most CHECK_ELEMS elements."""
     want = max(2, min(n_rows, CHECK_ELEMS // max(sk, 1)))
-    return torch.linspace(0, n_rows - 1, want, device=device).round().long().unique()
+    spread = torch.linspace(0, n_rows - 1, want, dtype=torch.float64, device=device)
+    return spread.round().long().clamp_(0, n_rows - 1).unique()  # never out of range: a device assert is fatal
 
 
 def mask_rows(torch, mask, shape: tuple, rows):
@@ -510,6 +511,20 @@ class Runner:
         self.healthy()
 
 
+def kernel_origins() -> str:
+    """Where drvsoftmax's kernels came from in this process (packaged cubin, PTX, NVRTC), with counts."""
+    try:
+        from drvsoftmax import _driver
+
+        found = [o for d in _driver._devices.values() for o in d.origins.values()]
+    except Exception:
+        return "?"
+    counts: dict[str, int] = {}
+    for o in found:
+        counts[o] = counts.get(o, 0) + 1
+    return "; ".join(f"{o} (x{n})" for o, n in sorted(counts.items())) or "none loaded"
+
+
 def plan_note(ds, case: C.Case) -> str:
     """drvsoftmax's own account of what runs (its planner), first clause only."""
     try:
@@ -622,6 +637,9 @@ def run(args, t0: float) -> int:
         runner.stopped = f"CUDA stopped working: {e}"
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        origins = kernel_origins()
+        runner.log(f"drvsoftmax kernels loaded from: {origins}")
+        runner.peers.versions[P.OURS] = runner.peers.versions.get(P.OURS, "?") + f"; kernels from {origins}"
         runner.write_summary(png=True)
         runner.log()
         for line in R.summary_lines(env, runner.rows, runner.absent, runner.skipped, runner.stopped):
@@ -690,8 +708,17 @@ def prewarm(args, t0: float) -> int:
     bad = [p for p in wanted if p not in ("quack", "liger", "compile")]
     if bad:
         raise ValueError(f"--prewarm: expected quack, liger and/or compile; got {args.prewarm!r}")
-    k, n = (int(v) for v in (args.shard or "0/1").split("/"))
-    cases = C.plan(only, args.quick, compile_on=not args.no_compile)[k::n]
+    try:
+        k, n = (int(v) for v in (args.shard or "0/1").split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise ValueError(f"--shard: expected K/N with 0 <= K < N; got {args.shard!r}")
+    smoke = bool(getattr(args, "cpu_smoke", False))
+    cases = C.plan(only, args.quick or smoke, compile_on=not args.no_compile)[k::n]
+    if smoke:
+        cases = [C.shrink(c) for c in cases]
+    device = "cpu" if smoke else "cuda"
     import torch
 
     peers = P.Peers(torch, wanted)
@@ -708,13 +735,15 @@ def prewarm(args, t0: float) -> int:
                 c = C.Case(case.name, case.section, case.direction, case.dtype, (C.ROW_MULTIPLE, case.sk))
             try:
                 fn = peers.make(p, c)
-                fn(make_inputs(torch, c, 1)[0])
-                torch.cuda.synchronize()
+                fn(make_inputs(torch, c, 1, device)[0])
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 done += 1
             except Exception as e:
                 failed += 1
                 print(f"[prewarm {k}/{n}] {case.name} {p}: {P.error_text(e)}", flush=True)
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     print(f"[prewarm {k}/{n}] {done} first calls, {failed} failed, {time.monotonic() - t0:.0f} s", flush=True)
     return 0
 
