@@ -113,6 +113,7 @@ if ls "$STAGE/apex_megatron/"*.cu >/dev/null 2>&1; then
         scaled_upper_triang_masked_softmax_cuda; do
         [ -f "$PEERS/apex_build/$mod/$mod.so" ] && continue
         mkdir -p "$PEERS/apex_build/$mod"
+        rm -f "$PEERS/apex_build/$mod/lock" # left by a build that was killed: load() would wait for it
         TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=4 $PY - "$mod" "$STAGE/apex_megatron" "$PEERS/apex_build/$mod" \
             >"$LOGS/apex-$mod.log" 2>&1 <<'EOF' &
 import sys, time
@@ -179,18 +180,18 @@ if [ "${PREWARM:-1}" != 0 ]; then
     fi
 fi
 [ ${#pids[@]} -gt 0 ] && say "waiting for: ${pids[*]#*:}"
-failed=0
+prewarm_failed=0
 for e in "${pids[@]}"; do
     pid=${e%%:*} what=${e#*:}
     if wait "$pid"; then
         say "done: $what"
     else
-        failed=1
+        case $what in prewarm-*) prewarm_failed=1 ;; esac
         say "FAILED: $what (log $LOGS/${what%-sm_*}.log):"
         tail -n 25 "$LOGS/${what%-sm_*}.log"
     fi
 done
-if [ ${#todo[@]} -gt 0 ] && [ "$failed" = 0 ]; then
+if [ ${#todo[@]} -gt 0 ] && [ "$prewarm_failed" = 0 ]; then
     for p in "${todo[@]}"; do touch "$PEERS/.prewarmed-$p"; done
 fi
 grep -h "first calls" "$LOGS"/prewarm-*.log 2>/dev/null

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import math
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -411,6 +412,9 @@ def test_cpu_smoke_run(tmp_path):
     assert f"== ahead in {a} of {m} cases" in r.stdout
 
 
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on the CPU needs a C++ compiler"
+)
 def test_prewarm_shards_the_plan():
     """--prewarm makes the first call of each JIT-compiled provider once, on its shard of the cases."""
     # shard 1 of 4 of the quick plan holds its one torch.compile case
