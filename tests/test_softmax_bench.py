@@ -1,0 +1,426 @@
+"""The benchmark's own logic, on the CPU: plan, dry run, peers' rules, reference checks, report.
+
+The timed run needs a GPU; everything it decides and computes around the timings is tested here.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from softbench import cases as C  # noqa: E402
+from softbench import peers as P  # noqa: E402
+from softbench import report as R  # noqa: E402
+
+REQUIRED_COLUMNS = [
+    "gpu",
+    "driver",
+    "torch",
+    "commit",
+    "date",
+    "case",
+    "provider",
+    "dtype",
+    "shape",
+    "ms",
+    "GB/s",
+    "pct_copy",
+]
+ENV = {"gpu": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130", "commit": "abc1234", "date": "2026-12-01"}
+
+
+def bench(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "bench_softmax.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+
+
+# ----------------------------------------------------------------------------------
+# The plan.
+
+
+def test_plan_covers_the_targets():
+    cases = C.plan()
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names))
+    for direction in ("fwd", "bwd"):
+        for dt in C.DTYPES:
+            sks = sorted(c.sk for c in cases if c.section == direction and c.dtype == dt)
+            assert sks == sorted([32, 64, 128, 256, 512, 1000, 1024, 2048, 4096, 4097, 8192, 16384])
+    for c in cases:
+        if c.section in ("fwd", "bwd", "long"):
+            # fixed total: within one row-multiple of rows of 2^29 (16-bit) / 2^28 (fp32) elements
+            total = {2: 2**29, 4: 2**28}[c.itemsize]
+            assert total - C.ROW_MULTIPLE * c.sk <= C.numel(c.shape) <= total, c.name
+        if c.mask in ("bool", "add"):
+            b, sq, sk = c.shape[0], c.shape[-2], c.sk
+            assert c.mask_shape in ((b, 1, sq, sk), (b, 1, 1, sk)), c.name
+    masked = {(c.mask, c.dtype, c.sk) for c in cases if c.section == "mask"}
+    assert masked == {(m, dt, sk) for m in ("bool", "add") for dt in C.DTYPES for sk in (128, 1000, 2048, 4096, 16384)}
+    assert C.MASK_SHAPES[128][-2:] == (128, 128) and C.MASK_SHAPES[128][0] >= 64  # a BERT-sized batch
+    causal = [c for c in cases if c.section == "causal"]
+    assert [(c.dtype, c.shape) for c in causal] == [("float16", (8, 32, 2048, 2048))]
+    longs = {(c.direction, c.mask, c.dtype, c.sk) for c in cases if c.section == "long"}
+    assert longs == {
+        (d, m, dt, sk)
+        for sk in (65536, 262144, 1048576)
+        for dt in ("float16", "float32")
+        for d, m in (("fwd", "none"), ("fwd", "bool"), ("bwd", "none"))
+    }
+
+
+def test_min_bytes_count_x_mask_and_y_once():
+    rng = random.Random(7)
+    for c in C.plan():
+        n = math.prod(c.shape)
+        item = {"float16": 2, "bfloat16": 2, "float32": 4}[c.dtype]
+        if c.direction == "bwd":
+            want = 3 * n * item  # y, dy read; dx written
+        else:
+            mask = math.prod(c.mask_shape) if c.mask_shape else 0
+            want = 2 * n * item + mask * {"bool": 1, "add": item}.get(c.mask, 0)
+        assert c.min_bytes == want, c.name
+    c = rng.choice([c for c in C.plan() if c.mask == "causal"])
+    assert c.min_bytes == 2 * math.prod(c.shape) * 2  # causal: no mask tensor
+
+
+def test_only_and_quick_select():
+    assert {c.section for c in C.plan(C.parse_only("mask,causal"))} == {"mask", "causal"}
+    sweep = C.plan(C.parse_only("sweep"))
+    assert sweep and all(c.mask == "none" and c.section in ("fwd", "bwd", "long") for c in sweep)
+    assert len(sweep) == sum(c.mask == "none" and c.section in ("fwd", "bwd", "long") for c in C.plan())
+    quick = C.plan(quick=True)
+    assert [c.name for c in quick] == list(C.QUICK)
+    assert sum(c.compile for c in quick) == len(C.QUICK_COMPILE)
+    assert not any(c.compile for c in C.plan(compile_on=False))
+    with pytest.raises(ValueError, match="--only"):
+        C.parse_only("fwd,bogus")
+
+
+def test_dry_run_lists_cases_and_providers():
+    r = bench("--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for c in C.plan():
+        assert c.name in out
+    for p in P.PROVIDERS:
+        assert p in out
+    assert "DRY RUN" in out and "[host]" in out and "[memory]" in out and "[coldstart]" in out
+    total = float(out.rsplit("total ", 1)[1].split(" s")[0])
+    assert 0 < total < 420, "the full plan must fit the 7-minute budget by the dry run's own model"
+    q = bench("--dry-run", "--quick")
+    assert q.returncode == 0, q.stderr
+    quick_total = float(q.stdout.rsplit("total ", 1)[1].split(" s")[0])
+    assert quick_total < 90
+    listed = [line.split()[0] for line in q.stdout.splitlines() if line.startswith("  ") and "providers:" in line]
+    assert listed == list(C.QUICK)
+    bad = bench("--dry-run", "--only", "fwd,nope")
+    assert bad.returncode == 2 and "--only" in bad.stderr and "nope" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------
+# Who can take what.
+
+
+def _case(**kw) -> C.Case:
+    base = dict(name="t", section="fwd", direction="fwd", dtype="float16", shape=(4096, 1024))
+    base.update(kw)
+    return C.Case(**base)
+
+
+def test_apex_rows_per_block_matches_its_launch():
+    # apex: warp = min(next_pow2(Sk), 32); 128 threads per block; 2 rows per warp up to 128 keys
+    for sk in (1, 2, 7, 16, 31, 32, 33, 100, 128, 129, 1000, 4096, 4097, 16384):
+        p = 1 << (sk - 1).bit_length()
+        warp = min(p, 32)
+        assert P.apex_rows_per_block(sk) == (128 // warp) * (2 if p <= 128 else 1), sk
+
+
+def test_peer_rules():
+    assert P.why_not("apex", _case(dtype="float32"))
+    assert P.apex_kernel(_case())[0] == "scaled_softmax_cuda"
+    assert P.why_not("apex", _case(shape=(4096, 32768)))
+    add = _case(section="mask", shape=(8, 16, 512, 1000), mask="add", mask_shape=(8, 1, 512, 1000))
+    assert "additive" in P.why_not("apex", add)
+    boolean = _case(section="mask", shape=(8, 16, 512, 1000), mask="bool", mask_shape=(8, 1, 512, 1000))
+    assert P.apex_kernel(boolean)[0] == "scaled_masked_softmax_cuda"
+    wide = _case(section="mask", shape=(2, 16, 512, 8192), mask="bool", mask_shape=(2, 1, 512, 8192))
+    assert P.apex_kernel(wide)[0] == "generic_scaled_masked_softmax_cuda"
+    wider = _case(section="mask", shape=(2, 16, 512, 16384), mask="bool", mask_shape=(2, 1, 512, 16384))
+    assert P.apex_kernel(wider)[0] is None  # 64 KB of shared memory: over the 48 KB apex gets
+    padding = _case(section="long", shape=(2, 8, 512, 65536), mask="bool", mask_shape=(2, 1, 1, 65536))
+    assert P.why_not("apex", padding)
+    causal = _case(section="causal", shape=(8, 32, 2048, 2048), mask="causal")
+    assert P.apex_kernel(causal)[0] == "scaled_upper_triang_masked_softmax_cuda"
+    assert P.why_not("apex", _case(section="causal", shape=(1, 12, 128, 128), mask="causal"))  # 12 % 8
+    assert P.apex_kernel(_case(direction="bwd", shape=(4096, 4096)))[0] == "scaled_masked_softmax_cuda"
+    assert P.apex_kernel(_case(direction="bwd", shape=(4096, 8192)))[0] == "generic_scaled_masked_softmax_cuda"
+    assert P.apex_kernel(_case(direction="bwd", shape=(4096, 16384)))[0] is None
+    for p in ("quack", "liger", "torch.softmax"):
+        assert P.why_not(p, _case()) is None
+        assert P.why_not(p, boolean)
+    assert P.why_not("liger", _case(shape=(64, 131072)))
+    assert P.why_not("quack", _case(shape=(64, 1048576))) is None  # 16-bit forward still launches
+    assert P.why_not("quack", _case(shape=(64, 1048576), direction="bwd"))
+    assert P.why_not("quack", _case(shape=(64, 1048576), dtype="float32"))
+    assert P.why_not("compile", _case()) and P.why_not("compile", _case(compile=True)) is None
+    for c in C.plan():  # every case has us and at least one other provider
+        assert P.applicable(c)[:2] == ["drvsoftmax", "eager"]
+
+
+# ----------------------------------------------------------------------------------
+# Inputs, the reference and the check, on CPU tensors against NumPy float64.
+
+torch = pytest.importorskip("torch")
+from softbench import runner  # noqa: E402
+
+SMALL = [
+    _case(name="plain", dtype="float32", shape=(37, 64)),
+    _case(name="bool", section="mask", dtype="float32", shape=(2, 3, 6, 33), mask="bool", mask_shape=(2, 1, 6, 33)),
+    _case(name="pad", section="long", dtype="float16", shape=(2, 3, 4, 40), mask="bool", mask_shape=(2, 1, 1, 40)),
+    _case(name="add", section="mask", dtype="bfloat16", shape=(3, 2, 5, 9), mask="add", mask_shape=(3, 1, 5, 9)),
+    _case(name="causal", section="causal", dtype="float32", shape=(2, 2, 5, 7), mask="causal"),
+    _case(name="bwd", section="bwd", direction="bwd", dtype="float32", shape=(2, 3, 4, 17)),
+]
+
+
+def numpy_reference(case: C.Case, d: dict, scale: float) -> np.ndarray:
+    """softmax / its backward over every row, float64, masks broadcast by NumPy."""
+    if case.direction == "bwd":
+        y = d["y"].double().numpy()
+        dy = d["dy"].double().numpy()
+        return (scale * y * (dy - (dy * y).sum(-1, keepdims=True))).reshape(-1, case.sk)
+    z = d["x"].double().numpy() * scale
+    if case.mask == "bool":
+        z = np.where(np.broadcast_to(d["mask"].numpy(), z.shape), -np.inf, z)
+    elif case.mask == "add":
+        z = z + d["mask"].double().numpy()
+    elif case.mask == "causal":
+        sq, sk = z.shape[-2:]
+        i, j = np.indices((sq, sk))
+        z = np.where(j > i + (sk - sq), -np.inf, z)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).reshape(-1, case.sk)
+
+
+@pytest.mark.parametrize("case", SMALL, ids=[c.name for c in SMALL])
+def test_reference_rows_match_numpy(case):
+    torch.manual_seed(3)
+    (d,) = runner.make_inputs(torch, case, 1, device="cpu")
+    if case.mask in ("bool", "add"):
+        hidden = d["mask"] if case.mask == "bool" else torch.isinf(d["mask"])
+        assert not hidden[..., 0].any() and hidden.any()
+    rows = runner.check_rows(torch, case.rows, case.sk, "cpu")
+    assert rows[0] == 0 and rows[-1] == case.rows - 1
+    for scale in (C.SCALE, 1.0):
+        got = runner.reference(torch, case, d, rows, scale).numpy()
+        want = numpy_reference(case, d, scale)[rows.numpy()]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("case", SMALL, ids=[c.name for c in SMALL])
+def test_providers_agree_with_the_reference_on_cpu(case):
+    """drvsoftmax (CPU path), the eager expression and torch.softmax pass the benchmark's check; a
+    perturbed output fails it."""
+    torch.manual_seed(5)
+    (d,) = runner.make_inputs(torch, case, 1, device="cpu")
+    rows = runner.check_rows(torch, case.rows, case.sk, "cpu")
+    peers = P.Peers(torch, ("drvsoftmax", "eager", "torch.softmax"))
+    assert not peers.missing, peers.missing
+    for p in ("drvsoftmax", "eager", "torch.softmax"):
+        if P.why_not(p, case):
+            continue
+        scale = 1.0 if p in P.PLAIN else C.SCALE
+        ref = runner.reference(torch, case, d, rows, scale)
+        out = peers.make(p, case)(d)
+        rel, ok = runner.agree(out, ref, rows, case)
+        assert ok, (p, rel)
+        bad = out.clone().reshape(-1, case.sk)
+        bad[rows[len(rows) // 2], 0] += 0.1 * float(ref.abs().max()) + 0.05
+        assert not runner.agree(bad, ref, rows, case)[1], p
+    scale_wrong = runner.reference(torch, case, d, rows, C.SCALE * 2)
+    if case.direction == "fwd":  # the check tells a missing or doubled scale apart
+        out = peers.make("drvsoftmax", case)(d)
+        assert not runner.agree(out, scale_wrong, rows, case)[1]
+
+
+def test_commit_from_argument_or_environment(monkeypatch):
+    monkeypatch.setenv("DRVSOFTMAX_COMMIT", "feed123")
+    assert runner.commit_id() == "feed123"
+    assert runner.commit_id("cafe456") == "cafe456"
+
+
+# ----------------------------------------------------------------------------------
+# The report, on synthetic numbers.
+
+
+def synthetic_rows(seed: int) -> tuple[list[R.Row], dict[str, float]]:
+    """Rows for fwd/bwd/mask/host cases with random times; returns also the expected ratio per case."""
+    rng = random.Random(seed)
+    rows: list[R.Row] = [R.Row("copy", "copy", "float16", "1073741824", "copy", ms=1.0, gbps=4200.0, pct=100.0)]
+    expected: dict[str, float] = {}
+    picks = [c for c in C.plan() if c.section in ("fwd", "bwd", "mask")]
+    for c in rng.sample(picks, 12):
+        ours = rng.uniform(0.1, 3.0)
+        rows.append(R.timed_row(c, "drvsoftmax", ours, 4200.0))
+        peers = [p for p in P.applicable(c) if p != "drvsoftmax"]
+        times = {p: rng.uniform(0.05, 4.0) for p in rng.sample(peers, rng.randint(1, len(peers)))}
+        for p, t in times.items():
+            rows.append(R.timed_row(c, p, t * 3.0, 4200.0))  # measured twice: the last one counts
+            rows.append(R.timed_row(c, p, t, 4200.0))
+        rows.append(R.error_row(c, "liger", "first call: RuntimeError: boom"))
+        expected[c.name] = min(times.values()) / ours
+    lone = C.plan()[0]
+    rows.append(R.timed_row(lone, "drvsoftmax", 1.0, 4200.0))  # no peer: no ratio
+    for p, us in (("drvsoftmax", 9.7), ("torch.softmax", 6.05), ("apex", 6.0), ("eager", 13.0)):
+        rows.append(R.Row("host-f16-1x12x128x128", p, "float16", "1x12x128x128", "host", "fwd", "none", 128, us / 1e3))
+    expected["host-f16-1x12x128x128"] = 6.0 / 9.7
+    return rows, expected
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_ratio_and_ahead_counting(seed):
+    rows, expected = synthetic_rows(seed)
+    comps = {c.case: c for c in R.compare(rows)}
+    for name, ratio in expected.items():
+        assert comps[name].ratio == pytest.approx(ratio, rel=1e-12), name
+        assert comps[name].ahead == (ratio > 1.0)
+        assert comps[name].within_noise == (ratio >= 0.98)
+    assert comps[C.plan()[0].name].ratio is None
+    assert comps["host-f16-1x12x128x128"].best == "apex"
+    a, w, m = R.tally(comps.values())
+    assert m == len(expected)
+    assert a == sum(r > 1.0 for r in expected.values())
+    assert w == sum(r >= 0.98 for r in expected.values())
+    lines = R.summary_lines(ENV, rows)
+    assert f"== ahead in {a} of {m} cases (within 2% of the best peer: {w} of {m})" in lines
+    assert any(line.startswith("== host us per eager call") and "apex 6.00" in line for line in lines)
+    c0 = next(iter(expected))
+    line = R.case_line(comps[c0])
+    assert line.startswith(c0) and f"ratio {expected[c0]:.2f}" in line and "%" in line
+
+
+def test_gbps_and_pct_of_copy():
+    c = C.plan(C.parse_only("mask"))[0]
+    r = R.timed_row(c, "drvsoftmax", 0.5, 4000.0)
+    assert r.gbps == pytest.approx(c.min_bytes / 0.5e6)
+    assert r.pct == pytest.approx(100 * r.gbps / 4000.0)
+
+
+def test_csv_columns_and_round_trip(tmp_path):
+    rows, _ = synthetic_rows(4)
+    path = tmp_path / (R.file_stem(ENV) + ".csv")
+    sink = R.CsvSink(path, ENV)
+    for r in rows:
+        sink.add(r)
+    assert path.name == "2026-12-01-nvidia-h200-580.159.04-abc1234.csv"
+    with path.open(newline="") as f:
+        header = next(csv.reader(f))
+    assert header[: len(REQUIRED_COLUMNS)] == REQUIRED_COLUMNS
+    assert header == list(R.CSV_FIELDS)
+    env, back = R.read_csv(path)
+    assert env == ENV
+    assert len(back) == len(rows)
+    for a, b in zip(rows, back):
+        assert (a.case, a.provider, a.dtype, a.shape, a.section, a.note) == (
+            b.case,
+            b.provider,
+            b.dtype,
+            b.shape,
+            b.section,
+            b.note,
+        )
+        for x, y in ((a.ms, b.ms), (a.gbps, b.gbps), (a.pct, b.pct)):
+            assert (x is None and y is None) or y == pytest.approx(x, rel=1e-5, abs=0.06)
+    assert R.tally(R.compare(back)) == R.tally(R.compare(rows))
+    bad = tmp_path / "other.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="missing columns"):
+        R.read_csv(bad)
+
+
+def test_markdown_and_from_csv(tmp_path):
+    rows, expected = synthetic_rows(5)
+    md = R.markdown(
+        ENV, rows, absent=[("x", "apex", "apex has no additive-mask kernel")], skipped=[("y", "time budget")]
+    )
+    assert "## Summary" in md and "| case | shape | GB/s | % of copy | best peer | ratio |" in md
+    assert "apex has no additive-mask kernel" in md and "## Errors" in md and "## Skipped" in md
+    path = tmp_path / "r.csv"
+    sink = R.CsvSink(path, ENV)
+    for r in rows:
+        sink.add(r)
+    res = bench("--from-csv", str(path))
+    assert res.returncode == 0, res.stderr
+    a, w, m = R.tally(R.compare(rows))
+    assert f"ahead in {a} of {m} cases" in res.stdout
+    assert (tmp_path / "r.md").is_file()
+
+
+def test_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [R.Row("copy", "copy", "float16", "1", "copy", ms=1.0, gbps=4200.0)]
+    for c in C.plan(C.parse_only("sweep")):
+        for p in ("drvsoftmax", "quack"):
+            if P.why_not(p, c) is None:
+                rows.append(R.timed_row(c, p, c.min_bytes / 4e12 * 1e3 * (1.1 if p == "quack" else 1.0), 4200.0))
+    series = R.sweep_series(rows)
+    assert set(series) == {(d, dt) for d in ("fwd", "bwd") for dt in C.DTYPES}
+    out = tmp_path / "f.png"
+    assert R.write_png(out, ENV, rows) is None
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------------
+# The whole run, on the CPU (tiny shapes, meaningless times): wiring, checks, files.
+
+
+def test_cpu_smoke_run(tmp_path):
+    r = bench("--cpu-smoke", "--no-compile", "--out", str(tmp_path), "--commit", "smoke01", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (path,) = tmp_path.glob("*.csv")
+    assert path.name.endswith("-cpu-none-smoke01.csv")
+    assert (tmp_path / (path.stem + ".md")).is_file() and (tmp_path / (path.stem + ".log")).is_file()
+    env, rows = R.read_csv(path)
+    assert env["commit"] == "smoke01" and env["gpu"] == "cpu"
+    by = {(row.case, row.provider): row for row in rows}
+    for name in C.QUICK:
+        ours = by[(name, "drvsoftmax")]
+        assert ours.ms and ours.ms > 0 and ours.gbps is not None and ours.pct is not None, name
+        assert "max rel diff" in ours.note and "MISMATCH" not in ours.note, (name, ours.note)
+        assert "max rel diff" in by[(name, "eager")].note
+    assert not [row for row in rows if row.note.startswith("error")]
+    assert ("host-f16-1x12x128x128", "torch.softmax") in by
+    a, w, m = R.tally(R.compare(rows))
+    assert m == len(C.QUICK) + 1  # every case has eager, and the host row its peers
+    assert f"== ahead in {a} of {m} cases" in r.stdout
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on the CPU needs a C++ compiler"
+)
+def test_prewarm_shards_the_plan():
+    """--prewarm makes the first call of each JIT-compiled provider once, on its shard of the cases."""
+    # shard 1 of 4 of the quick plan holds its one torch.compile case
+    assert [c.name for c in C.plan(quick=True)[1::4] if c.compile] == list(C.QUICK_COMPILE)
+    r = bench("--prewarm", "compile", "--shard", "1/4", "--cpu-smoke", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[prewarm 1/4] 1 first calls, 0 failed" in r.stdout
+    assert bench("--prewarm", "compile", "--shard", "4/4").returncode == 2
+    assert bench("--prewarm", "apex").returncode == 2
