@@ -60,10 +60,13 @@ STREAM_MAX = 2**64 - 1  # a stream handle is a pointer
 def check_scale(scale: object) -> float:
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise arg_type_error("scale", "a real number", f"{type(scale).__name__} {scale!r}")
-    try:
-        s = float(scale)
-    except (OverflowError, ValueError, TypeError):  # 10**400, exotic Real types
+    if isinstance(scale, numbers.Integral) and abs(int(scale)) > FLT_MAX:  # 10**400 would overflow float()
         s = math.inf
+    else:
+        try:
+            s = float(scale)
+        except (OverflowError, ValueError, TypeError):  # huge Fractions, exotic Real types
+            s = math.inf
     if not math.isfinite(s) or abs(s) > FLT_MAX:
         raise arg_value_error("scale", "a finite float within float32 range", _short_repr(scale))
     return s

@@ -109,15 +109,16 @@ def _check_tensor(name: str, t: Tensor) -> None:
         raise arg_value_error(name, "a tensor on a CPU or CUDA device", f"device {t.device}")
 
 
-def _check_out_state(out: Tensor) -> None:
-    """What decides whether `out` may be written, beyond its layout (checked per call)."""
+def _check_out_state(out: Tensor, traced: bool = False) -> None:
+    """What decides whether `out` may be written, beyond its layout (checked per call).
+    While tracing, the inference-tensor test is left to the op (it runs on real tensors)."""
     if out.requires_grad and torch.is_grad_enabled():
         raise arg_value_error(
             "out",
             "a tensor that does not require grad (writes into out= are not recorded by autograd)",
             "one that does",
         )
-    if not torch.compiler.is_compiling() and out.is_inference() and not torch.is_inference_mode_enabled():
+    if not traced and out.is_inference() and not torch.is_inference_mode_enabled():
         raise arg_value_error(
             "out",
             "a normal tensor outside torch.inference_mode (inference tensors are read-only there)",
@@ -650,7 +651,7 @@ def scaled_masked_softmax(
         _check_traced_stream(stream, x)
         _refuse_out_with_grad(out, needs_grad, "x or mask")
         if out is not None:
-            _check_out_state(out)
+            _check_out_state(out, _is_compiling())
         with _on_stream(None if _is_compiling() else stream, x):
             y = torch.ops.drvsoftmax.scaled_masked_softmax(x, mask, scale, causal, key_lengths, out)
         if out is not None:
@@ -676,7 +677,7 @@ def scaled_masked_softmax_backward(
         _check_traced_stream(stream, y)
         _refuse_out_with_grad(out, needs_grad, "dy or y")
         if out is not None:
-            _check_out_state(out)
+            _check_out_state(out, _is_compiling())
         with _on_stream(None if _is_compiling() else stream, y):
             dx = torch.ops.drvsoftmax.scaled_masked_softmax_backward(dy, y, s, out)
         if out is not None:
