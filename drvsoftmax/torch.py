@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -281,6 +282,16 @@ _prepared: dict[tuple[Any, ...], tuple[Any, tuple[_Template | None, ...]]] = {}
 _EMPTY = object()
 
 
+def _forget_launches() -> None:
+    """After fork: the child holds no CUDA context, so nothing prepared may be reused; its
+    next call prepares again and meets _driver's fork check (a clear error)."""
+    _prepared.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_launches)
+
+
 def _remember(key: tuple[Any, ...], entry: tuple[Any, tuple[_Template | None, ...]]) -> tuple[Any, Any]:
     if len(_prepared) > 4096:
         _prepared.clear()
@@ -307,6 +318,7 @@ def _prepare_forward(
     )
     if x.numel() == 0:
         return _EMPTY, spans
+    device = _driver.device(dev)  # first: in a forked child, this is the error to see
     y = out if out is not None else torch.empty_like(x)
     xo, yo = _operand(x), _operand(y)
     mo = None if mask is None else _operand(mask)
@@ -316,7 +328,7 @@ def _prepare_forward(
         if key_lengths.dtype not in _KL_DIRECT:
             ko = _core.Operand(0, "int64", ko.shape, (1,))
     _core.check_forward(xo, yo, mo, ko, causal)
-    return _core.prepare_forward(_driver.device(dev), xo, yo, mo, ko, causal, scale, aligned, maligned), spans
+    return _core.prepare_forward(device, xo, yo, mo, ko, causal, scale, aligned, maligned), spans
 
 
 def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Tensor:
@@ -412,6 +424,7 @@ def _backward_impl(dy: Any, y: Tensor, scale: Any, out: Any, stream: object) -> 
         dst = out if out is not None else torch.empty_like(y)
         return dst.copy_(torch.from_numpy(dx))
     dev = y.get_device()
+    device = _driver.device(dev)  # first: in a forked child, this is the error to see
     if stream is None:
         s = _raw_stream(dev)
         ctx_ok: bool | None = s > 2 or _current_device() == dev
@@ -421,7 +434,7 @@ def _backward_impl(dy: Any, y: Tensor, scale: Any, out: Any, stream: object) -> 
     res = out if out is not None else torch.empty_like(y)
     if y.numel() == 0:
         return res
-    _core.backward(_driver.device(dev), _operand(dy), _operand(y), _operand(res), scale, s, ctx_ok)
+    _core.backward(device, _operand(dy), _operand(y), _operand(res), scale, s, ctx_ok)
     return res
 
 

@@ -6,6 +6,7 @@ Tests run on the CPU reference path everywhere and again on CUDA where a GPU exi
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -424,3 +425,21 @@ def test_cpu_paths_take_a_valid_stream(stream):
         drvsoftmax.scaled_masked_softmax_backward(dy, want, stream=stream),
         drvsoftmax.scaled_masked_softmax_backward(dy, want),
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_prepared_launches_are_forgotten_in_a_forked_child():
+    # A child of fork() has no CUDA context: launches prepared by the parent must not be
+    # reused there (its next call prepares again and meets the driver's fork check).
+    from drvsoftmax import torch as dtorch
+
+    key = ("a prepared launch of the parent",)
+    dtorch._prepared[key] = (object(), ())
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            os._exit(0 if key not in dtorch._prepared else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        dtorch._prepared.pop(key, None)
+    assert os.waitstatus_to_exitcode(status) == 0
