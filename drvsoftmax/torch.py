@@ -275,10 +275,48 @@ def _template(name: str, t: Tensor | None) -> _Template | None:
     return None if r is None else _Template(r)
 
 
+class _OutSpans:
+    """The overlap check of out= calls of one cached layout, from pointers alone.
+
+    The interval test here only screens: whenever it sees an overlap, the decision (and
+    the error) is _args.check_no_overlap's, on the same regions, as for every other door.
+    """
+
+    __slots__ = ("tx", "ty", "tm", "tk", "same_xy")
+
+    def __init__(self, x: Tensor, out: Tensor, mask: Tensor | None, key_lengths: Tensor | None) -> None:
+        self.tx, self.ty = _template("x", x), _template("out", out)
+        self.tm, self.tk = _template("mask", mask), _template("key_lengths", key_lengths)
+        self.same_xy = self.tx is not None and self.ty is not None and self.tx.form == self.ty.form
+
+    def check(self, o: int, xp: int, mp: int, key_lengths: Tensor | None) -> None:
+        ty = self.ty
+        if ty is None:
+            return
+        olo, ohi = o + ty.lo, o + ty.hi
+        tx, tm, tk = self.tx, self.tm, self.tk
+        hit = tx is not None and xp + tx.lo < ohi and olo < xp + tx.hi and not (self.same_xy and o == xp)
+        hit = hit or (tm is not None and mp + tm.lo < ohi and olo < mp + tm.hi)
+        kp = 0
+        if tk is not None and key_lengths is not None:
+            kp = key_lengths.data_ptr()
+            hit = hit or (kp + tk.lo < ohi and olo < kp + tk.hi)
+        if hit:
+            _args.check_no_overlap(
+                ty.at(o),
+                (
+                    None if tx is None else tx.at(xp),
+                    None if tm is None else tm.at(mp),
+                    None if tk is None else tk.at(kp),
+                ),
+                in_place=("x",),
+            )
+
+
 # Prepared launches by everything that decides them except the data pointers.  A key is
 # only stored after the full argument checks passed for it.  An entry holds the launch
-# (or _EMPTY) and the templates of x, out, mask and key_lengths (for out= calls).
-_prepared: dict[tuple[Any, ...], tuple[Any, tuple[_Template | None, ...]]] = {}
+# (or _EMPTY) and, for out= calls, the overlap check of that layout.
+_prepared: dict[tuple[Any, ...], tuple[Any, _OutSpans | None]] = {}
 _EMPTY = object()
 
 
@@ -292,7 +330,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_launches)
 
 
-def _remember(key: tuple[Any, ...], entry: tuple[Any, tuple[_Template | None, ...]]) -> tuple[Any, Any]:
+def _remember(key: tuple[Any, ...], entry: tuple[Any, _OutSpans | None]) -> tuple[Any, _OutSpans | None]:
     if len(_prepared) > 4096:
         _prepared.clear()
     _prepared[key] = entry
@@ -309,13 +347,9 @@ def _prepare_forward(
     dev: int,
     aligned: bool,
     maligned: bool,
-) -> tuple[Any, tuple[_Template | None, ...]]:
+) -> tuple[Any, _OutSpans | None]:
     scale, causal = _check_common(x, mask, scale, causal, key_lengths, out, True)
-    spans = (
-        (_template("x", x), _template("out", out), _template("mask", mask), _template("key_lengths", key_lengths))
-        if out is not None
-        else ()
-    )
+    spans = None if out is None else _OutSpans(x, out, mask, key_lengths)
     if x.numel() == 0:
         return _EMPTY, spans
     device = _driver.device(dev)  # first: in a forked child, this is the error to see
@@ -379,17 +413,8 @@ def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: An
     # shape and strides, so the prepared launch (which knows y's strides) stays valid.
     if out is not None:
         _check_out_state(out)
-        tx, ty, tm, tk = spans
-        if ty is not None:
-            _args.check_no_overlap(
-                ty.at(out.data_ptr()),
-                (
-                    tx.at(xp) if tx is not None else None,
-                    tm.at(mp) if tm is not None else None,
-                    tk.at(key_lengths.data_ptr()) if tk is not None else None,
-                ),
-                in_place=("x",),
-            )
+        if spans is not None:
+            spans.check(out.data_ptr(), xp, mp, key_lengths)
         y: Tensor = out
     else:
         y = torch.empty_like(x)

@@ -443,3 +443,54 @@ def test_prepared_launches_are_forgotten_in_a_forked_child():
     finally:
         dtorch._prepared.pop(key, None)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_cached_overlap_screen_agrees_with_the_overlap_check():
+    # The CUDA fast path screens out= calls with cached spans and pointers; whatever it
+    # decides must be what _args.check_no_overlap decides on the same tensors.  Random
+    # views of one buffer (shifted, strided, transposed, equal), on the CPU.
+    from drvsoftmax import _args
+    from drvsoftmax.torch import _OutSpans, _region
+
+    rng = np.random.default_rng(3)
+    base = torch.zeros(4000)
+    shape = (2, 3, 4, 5)
+    layouts = [(60, 20, 5, 1), (60, 20, 1, 4), (120, 40, 10, 2), (0, 20, 5, 1), (1, 2, 6, 24)]
+
+    def view(offset, strides):
+        return base.as_strided(shape, strides, offset)
+
+    decided = {True: 0, False: 0}
+    for _ in range(3000):
+        xs = layouts[rng.integers(len(layouts))]
+        os_ = (60, 20, 5, 1) if rng.random() < 0.7 else (120, 40, 10, 2)
+        x = view(int(rng.integers(0, 300)), xs)
+        out = x if rng.random() < 0.15 and xs[0] else view(int(rng.integers(0, 300)), os_)
+        # Masks and lengths anywhere, or just touching out's first or last element (+-2).
+        lo, hi = out.storage_offset(), out.storage_offset() + sum((n - 1) * st for n, st in zip(shape, out.stride()))
+        edge = int(rng.choice([lo - 20, hi])) + int(rng.integers(-2, 3))
+        moff = edge if rng.random() < 0.5 else int(rng.integers(0, 3000))
+        koff = (
+            int(rng.choice([lo - 2, hi])) + int(rng.integers(-2, 3))
+            if rng.random() < 0.5
+            else int(rng.integers(0, 3000))
+        )
+        mask = base.as_strided((4, 5), (5, 1), max(moff, 0)) if rng.random() < 0.6 else None
+        kl = base.view(torch.int32).as_strided((2,), (1,), max(koff, 0)) if rng.random() < 0.6 else None
+        try:
+            _args.check_no_overlap(
+                _region("out", out), (_region("x", x), _region("mask", mask), _region("key_lengths", kl)), ("x",)
+            )
+            want = False
+        except drvsoftmax.ArgumentValueError:
+            want = True
+        spans = _OutSpans(x, out, mask, kl)
+        # Later calls of the same layouts at other pointers: shift everything alike.
+        try:
+            spans.check(out.data_ptr(), x.data_ptr(), 0 if mask is None else mask.data_ptr(), kl)
+            got = False
+        except drvsoftmax.ArgumentValueError:
+            got = True
+        assert got == want, (xs, os_, x.storage_offset(), out.storage_offset())
+        decided[want] += 1
+    assert decided[True] > 300 and decided[False] > 300, decided
