@@ -128,12 +128,13 @@ def _stream_of(a: Any, cai: dict[str, Any], stream: object) -> int:
     return _args.stream_handle(s)
 
 
-def _empty_like(a: Any, op: _core.Operand) -> Any:
+def _empty_like(a: Any, op: _core.Operand, dev: int) -> Any:
     mod = _library(a)
     if mod == "cupy":
         import cupy
 
-        return cupy.empty(op.shape, dtype=a.dtype)
+        with cupy.cuda.Device(dev):  # a's device, whichever is current
+            return cupy.empty(op.shape, dtype=a.dtype)
     if mod == "numba":
         from numba import cuda
 
@@ -163,10 +164,12 @@ def _lengths_for_kernel(a: Any, ko: _core.Operand, stream: int, dev: int) -> tup
     if mod == "numba":
         from numba import cuda
 
-        s = cuda.external_stream(stream)
+        s = cuda.external_stream(stream) if stream else cuda.default_stream()
         host = a.copy_to_host(stream=s)
         s.synchronize()
-        conv = cuda.to_device(np.minimum(host, 2**63 - 1).astype(np.int64), stream=s)
+        if host.dtype == np.uint64:  # beyond int64 means beyond any Sk
+            host = np.minimum(host, np.uint64(2**63 - 1))
+        conv = cuda.to_device(host.astype(np.int64), stream=s)
         return conv, _core.Operand(int(conv.__cuda_array_interface__["data"][0]), "int64", ko.shape, (1,))
     raise arg_type_error(
         "key_lengths",
@@ -206,7 +209,7 @@ def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: A
         _check_same_device("key_lengths", ko, key_lengths, dev)
     s = _stream_of(x, xc, stream)
     if out is None:
-        out = _empty_like(x, xo)
+        out = _empty_like(x, xo, dev)
         yo, _ = _describe(out, "out")
     else:
         if not is_cai(out):
@@ -245,7 +248,7 @@ def backward(dy: Any, y: Any, scale: Any, out: Any, stream: object) -> Any:
     _check_same_device("dy", do, dy, dev, "y")
     s = _stream_of(y, yc, stream)
     if out is None:
-        out = _empty_like(y, yo)
+        out = _empty_like(y, yo, dev)
         xo, _ = _describe(out, "out")
     else:
         if not is_cai(out):
