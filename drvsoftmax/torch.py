@@ -80,10 +80,6 @@ def _region(name: str, t: Tensor | None) -> _args.Region | None:
     return _args.region(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
 
 
-def _stream_handle(stream: object, dev: int) -> int:
-    return _raw_stream(dev) if stream is None else _args.stream_handle(stream)
-
-
 @contextlib.contextmanager
 def _on_stream(stream: object, t: Tensor) -> Iterator[None]:
     """Run torch ops of the enclosed block on `stream` (a given stream, not None) so that
@@ -652,16 +648,20 @@ def _as_lengths(key_lengths: Any, x: Tensor, stream: object) -> Any:
 
 
 def _check_traced_stream(stream: object, x: Tensor) -> None:
+    """stream= on the traced path: the eager path's checks; then, for CUDA tensors under
+    torch.compile, where the op runs on the current stream, a stream is refused."""
     if stream is None:
         return
-    if x.is_cuda and _is_compiling():
+    compiled_cuda = x.is_cuda and _is_compiling()
+    if not compiled_cuda or isinstance(stream, (bool, int, float, str, bytes)):  # (values dynamo traces)
+        _args.stream_handle(stream)
+    if compiled_cuda:
         raise arg_value_error(
             "stream",
             "None under torch.compile/torch.export (the traced op runs on the current stream: "
             "call the compiled function inside torch.cuda.stream(...))",
             f"{type(stream).__name__}",
         )
-    _args.stream_handle(stream)
 
 
 def _refuse_out_with_grad(out: Any, grad: bool, what: str) -> None:

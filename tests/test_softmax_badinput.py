@@ -333,7 +333,7 @@ GPU_DOORS = ("torch-cuda", "compile-cuda", "cupy")
 ALL = CPU_DOORS + GPU_DOORS
 TORCH = ("torch", "compile", "compile-fullgraph", "torch-cuda", "compile-cuda")
 EAGER = ("numpy", "torch", "cai", "torch-cuda", "cupy")  # no tracing
-NOT_FULLGRAPH = tuple(d for d in ALL if d != "compile-fullgraph")
+NOT_FULLGRAPH = tuple(d for d in ALL if d not in ("compile-fullgraph", "compile-cuda"))
 GPU_ONLY = ("torch-cuda", "compile-cuda", "cupy")
 
 # Cases dynamo cannot trace to our check (the default torch.compile then runs the call
