@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 from . import _loader
 from ._errors import DrvSoftmaxError, check
@@ -21,7 +22,7 @@ _driver_version: int | None = None
 _devices: dict[int, Device] = {}
 
 
-def _drv():
+def _drv() -> Any:
     from cuda.bindings import driver
 
     return driver
@@ -48,14 +49,15 @@ def init() -> None:
 
 def driver_version() -> int:
     init()
-    assert _driver_version is not None
+    if _driver_version is None:  # init() sets it or raises
+        raise DrvSoftmaxError("the CUDA driver version is unknown after cuInit")
     return _driver_version
 
 
 class Device:
     """One CUDA device: primary context, architecture, and its loaded kernels."""
 
-    def __init__(self, ordinal: int):
+    def __init__(self, ordinal: int) -> None:
         d = _drv()
         self.ordinal = ordinal
         self.cudev = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
@@ -71,7 +73,7 @@ class Device:
         self._kernels: dict[str, object] = {}
         self.origins: dict[str, str] = {}
 
-    def kernel(self, name: str):
+    def kernel(self, name: str) -> Any:
         """The CUkernel `name`, loaded into this device's context."""
         k = self._kernels.get(name)
         if k is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DrvSoftmaxError(Exception):
     """Base class of every exception drvsoftmax raises on purpose."""
@@ -18,7 +20,7 @@ class ArgumentValueError(DrvSoftmaxError, ValueError):
 class CudaDriverError(DrvSoftmaxError, RuntimeError):
     """A CUDA driver call failed. ``name`` is the ``CUDA_ERROR_*`` name."""
 
-    def __init__(self, call: str, code: int, name: str, description: str):
+    def __init__(self, call: str, code: int, name: str, description: str) -> None:
         self.call, self.code, self.name, self.description = call, code, name, description
         super().__init__(f"{call} failed: {name} ({code}): {description}")
 
@@ -26,7 +28,7 @@ class CudaDriverError(DrvSoftmaxError, RuntimeError):
 class NvrtcError(DrvSoftmaxError, RuntimeError):
     """NVRTC failed. Carries the compile log and the NVRTC version."""
 
-    def __init__(self, call: str, name: str, log: str = "", version: str = "?"):
+    def __init__(self, call: str, name: str, log: str = "", version: str = "?") -> None:
         self.call, self.name, self.log, self.version = call, name, log, version
         msg = f"{call} failed: {name} (NVRTC {version})"
         if log:
@@ -46,7 +48,7 @@ def arg_value_error(name: str, expected: str, got: object) -> ArgumentValueError
     return ArgumentValueError(f"{name} must be {expected}, got {got}")
 
 
-def _driver_error_text(code) -> tuple[str, str]:
+def _driver_error_text(code: Any) -> tuple[str, str]:
     from cuda.bindings import driver
 
     name, desc = "CUDA_ERROR_UNKNOWN", ""
@@ -58,11 +60,11 @@ def _driver_error_text(code) -> tuple[str, str]:
         if int(err) == 0 and s:
             desc = s.decode() if isinstance(s, bytes) else str(s)
     except Exception:  # the driver itself may be what is missing
-        name = getattr(code, "name", name)
+        name = str(getattr(code, "name", name))
     return name, desc
 
 
-def check(result, call: str = "CUDA call"):
+def check(result: Any, call: str = "CUDA call") -> Any:
     """Return the value(s) of a cuda.bindings call, or raise on a failing status.
 
     Every cuda.bindings function returns ``(status, *values)``.  This is the one place

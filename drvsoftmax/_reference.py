@@ -6,27 +6,31 @@ against.  It spells the contract out literally; speed is no concern here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
-def _f64(a) -> np.ndarray:
-    a = np.asarray(a)
-    if a.dtype.kind in "fiub":
-        return a.astype(np.float64)
-    return a.astype(np.float32).astype(np.float64)  # bfloat16 (ml_dtypes) and friends
+def _f64(a: Any) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype.kind in "fiub":
+        return arr.astype(np.float64)
+    return arr.astype(np.float32).astype(np.float64)  # bfloat16 (ml_dtypes) and friends
 
 
 def is_float_dtype(dt: np.dtype) -> bool:
     return dt.kind == "f" or dt.name == "bfloat16"
 
 
-def _fit(a, ndim: int) -> np.ndarray:
+def _fit(a: Any, ndim: int) -> np.ndarray:
     """Drop leading size-1 dims beyond `ndim` (legal under broadcasting to x's shape)."""
-    a = np.asarray(a)
-    return a.reshape(a.shape[a.ndim - ndim :]) if a.ndim > ndim else a
+    arr = np.asarray(a)
+    return arr.reshape(arr.shape[arr.ndim - ndim :]) if arr.ndim > ndim else arr
 
 
-def hidden_positions(shape, mask=None, causal=False, key_lengths=None):
+def hidden_positions(
+    shape: tuple[int, ...], mask: Any = None, causal: bool = False, key_lengths: Any = None
+) -> np.ndarray:
     """Boolean array broadcastable to `shape`: True where a key is hidden by a
     boolean/integer mask, by causality or by key_lengths."""
     sk = shape[-1]
@@ -55,7 +59,9 @@ def _fp32_range(v: np.ndarray, fp32: bool) -> np.ndarray:
     return np.where(np.abs(v) > _FLT_MAX * (1 + 2.0**-25), np.copysign(np.inf, v), v)
 
 
-def softmax_forward(x, mask=None, scale=1.0, causal=False, key_lengths=None) -> np.ndarray:
+def softmax_forward(
+    x: Any, mask: Any = None, scale: float = 1.0, causal: bool = False, key_lengths: Any = None
+) -> np.ndarray:
     """y = softmax(x * scale + bias) in float64, with drvsoftmax's rules:
     hidden keys are exactly 0, a row with no visible key is all 0, a row whose biased
     scores hold NaN or +inf is all NaN."""
@@ -80,7 +86,7 @@ def softmax_forward(x, mask=None, scale=1.0, causal=False, key_lengths=None) -> 
     return y
 
 
-def softmax_backward(dy, y, scale=1.0) -> np.ndarray:
+def softmax_backward(dy: Any, y: Any, scale: float = 1.0) -> np.ndarray:
     """dx = scale * y * (dy - sum(dy * y)) in float64; exactly 0 where y == 0."""
     dyf, yf = _f64(dy), _f64(y)
     with np.errstate(invalid="ignore", over="ignore"):

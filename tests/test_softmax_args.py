@@ -452,7 +452,9 @@ class _CudaLike:
     is_cuda = True
     dtype = torch.float16
     shape = torch.Size(XSHAPE)
-    device = "cuda:0"
+    device = torch.device("cuda:0")
+    layout = torch.strided
+    is_nested = False
 
     def get_device(self):
         return 0

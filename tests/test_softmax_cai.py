@@ -60,3 +60,71 @@ def test_cai_argument_errors():
         drvsoftmax.scaled_masked_softmax(x, cp.zeros((4,), dtype=cp.bool_))
     with pytest.raises(TypeError, match="key_lengths"):
         drvsoftmax.scaled_masked_softmax(x, key_lengths=cp.zeros((2,), dtype=cp.float32))
+
+
+_KDTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+
+
+def _klen_values(dt, sk):
+    info = np.iinfo(dt)
+    vals = [info.max, 0, sk - 1, sk + 1, 40000, 33000, info.min, 1]
+    return np.array([v for v in vals if info.min <= v <= info.max][:4], dtype=dt)
+
+
+@pytest.mark.parametrize("kdtype", _KDTYPES, ids=lambda d: np.dtype(d).name)
+def test_cupy_key_lengths_of_every_integer_dtype(kdtype):
+    # One rule on every path: any integer dtype; int32/int64 are read directly, the others
+    # are converted on the launch stream with every value's meaning kept.
+    cp = pytest.importorskip("cupy")
+    sk = 35000
+    kl = _klen_values(kdtype, sk)
+    xh = _gen.standard_normal((len(kl), 2, 3, sk)).astype(np.float16)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        y = drvsoftmax.scaled_masked_softmax(cp.asarray(xh), key_lengths=cp.asarray(kl), scale=0.5)
+    s.synchronize()
+    ref = _reference.softmax_forward(xh, None, 0.5, False, kl)
+    assert_matches(cp.asnumpy(y), ref, "float16", f"cupy key_lengths {np.dtype(kdtype).name}")
+
+
+@pytest.mark.parametrize("kdtype", [np.uint8, np.uint16, np.uint64], ids=lambda d: np.dtype(d).name)
+def test_numba_key_lengths_converted(kdtype):
+    cuda = pytest.importorskip("numba.cuda")
+    sk = 300
+    kl = _klen_values(kdtype, sk)
+    xh = _gen.standard_normal((len(kl), 2, sk)).astype(np.float32)
+    y = drvsoftmax.scaled_masked_softmax(cuda.to_device(xh), key_lengths=cuda.to_device(kl), scale=-0.5)
+    cuda.synchronize()
+    assert_matches(y.copy_to_host(), _reference.softmax_forward(xh, None, -0.5, False, kl), "float32", "numba klen")
+
+
+def test_cupy_overlap_refused_in_place_and_disjoint_views_accepted():
+    cp = pytest.importorskip("cupy")
+    base = cp.asarray(_gen.standard_normal(4 * 120).astype(np.float32))
+    x, out = base[:120].reshape(2, 3, 4, 5), base[60:180].reshape(2, 3, 4, 5)
+    before = cp.asnumpy(base)
+    with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^out must be memory that does not overlap x's"):
+        drvsoftmax.scaled_masked_softmax(x, out=out)
+    with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^out must be memory that does not overlap mask's"):
+        drvsoftmax.scaled_masked_softmax(x, base[150:170].reshape(4, 5), out=base[130:250].reshape(2, 3, 4, 5))
+    with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^out must be memory that does not overlap dy's"):
+        drvsoftmax.scaled_masked_softmax_backward(
+            x, base[240:360].reshape(2, 3, 4, 5), out=base[1:121].reshape(2, 3, 4, 5)
+        )
+    cp.cuda.get_current_stream().synchronize()
+    assert np.array_equal(cp.asnumpy(base), before), "a refused call wrote memory"
+    xh = cp.asnumpy(x)
+    y = drvsoftmax.scaled_masked_softmax(x, out=base[120:240].reshape(2, 3, 4, 5), scale=0.3)
+    cp.cuda.get_current_stream().synchronize()
+    assert_matches(cp.asnumpy(y), _reference.softmax_forward(xh, None, 0.3), "float32", "disjoint views")
+    assert drvsoftmax.scaled_masked_softmax(x, out=x, scale=0.3) is x
+    cp.cuda.get_current_stream().synchronize()
+    assert_matches(cp.asnumpy(x), _reference.softmax_forward(xh, None, 0.3), "float32", "in place")
+
+
+def test_cupy_bad_streams_are_argument_errors():
+    cp = pytest.importorskip("cupy")
+    x = cp.zeros((2, 3), dtype=cp.float32)
+    for bad, exc in (("garbage", TypeError), (-1, ValueError), (3.5, TypeError), (2**64, ValueError)):
+        with pytest.raises(exc, match=r"^stream must be"):
+            drvsoftmax.scaled_masked_softmax(x, stream=bad)

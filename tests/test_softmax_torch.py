@@ -6,6 +6,7 @@ Tests run on the CPU reference path everywhere and again on CUDA where a GPU exi
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -306,3 +307,190 @@ def test_data_parallel_step_matches_single_process():
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"},
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ----------------------------------------------------------------------------------
+# The eager backward function on tensors that require grad: differentiable, as the
+# compiled path (torch.ops...scaled_masked_softmax_backward) is.
+
+
+def _backward_reference(dy, y, s):
+    """dx = s*y*(dy - <dy, y>) written with torch ops (differentiable), in float64."""
+    return s * y * (dy - (dy * y).sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_backward_is_differentiable_like_the_compiled_path(device):
+    g = torch.Generator().manual_seed(11)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    x = torch.randn(2, 3, 4, 33, generator=g, dtype=dtype).to(device)
+    y = drvsoftmax.scaled_masked_softmax(x, scale=0.6).requires_grad_()
+    dy = torch.randn(x.shape, generator=g, dtype=dtype).to(device).requires_grad_()
+    gdx = torch.randn(x.shape, generator=g, dtype=dtype).to(device)
+    dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.6)
+    assert dx.requires_grad and dx.grad_fn is not None
+    got = torch.autograd.grad(dx, (dy, y), gdx)
+    dxc = torch.ops.drvsoftmax.scaled_masked_softmax_backward(dy, y, 0.6)
+    want_c = torch.autograd.grad(dxc, (dy, y), gdx)
+    dy2, y2 = dy.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    want = torch.autograd.grad(_backward_reference(dy2, y2, 0.6), (dy2, y2), gdx.double())
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(dx.double(), _backward_reference(dy2, y2, 0.6).detach(), **tol)
+    for a, b, c in zip(got, want_c, want):
+        torch.testing.assert_close(a.double(), c, **tol)
+        torch.testing.assert_close(a, b, **tol)
+    # Only one of them requiring grad: still differentiable in that one.
+    dx1 = drvsoftmax.scaled_masked_softmax_backward(dy.detach(), y, scale=0.6)
+    (gy1,) = torch.autograd.grad(dx1, (y,), gdx)
+    torch.testing.assert_close(gy1.double(), want[1], **tol)
+    with torch.no_grad():  # grad mode off: a plain result, as everywhere in torch
+        assert not drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.6).requires_grad
+
+
+def test_eager_backward_gradcheck_cpu_float64():
+    g = torch.Generator().manual_seed(12)
+    y = torch.softmax(torch.randn(2, 3, 7, generator=g, dtype=torch.float64), -1).requires_grad_()
+    dy = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(a, b):
+        return drvsoftmax.scaled_masked_softmax_backward(a, b, scale=-0.8)
+
+    assert torch.autograd.gradcheck(f, (dy, y))
+    assert torch.autograd.gradgradcheck(f, (dy, y))
+
+
+# ----------------------------------------------------------------------------------
+# key_lengths: one dtype rule everywhere (any integer dtype; values clamp to [0, Sk]).
+
+_INT_TORCH = [torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64, torch.uint64]
+
+
+def _limits(dt):
+    info = torch.iinfo(dt)
+    return info.min, info.max
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kdtype", _INT_TORCH, ids=str)
+def test_key_lengths_of_every_integer_dtype(device, kdtype):
+    sk = 300
+    lo, hi = _limits(kdtype)
+    # The extremes of the dtype, 0, Sk and values on either side of Sk and of 2**15.
+    vals = [v for v in (lo, hi, 0, 1, sk - 1, sk, sk + 1, 32767, 32768, 40000, 2**31 + 5) if lo <= v <= hi]
+    kl = torch.tensor(vals, dtype=kdtype) if kdtype != torch.uint64 else _uint64(vals)
+    x = torch.randn(len(vals), 2, 3, sk, device=device)
+    y = drvsoftmax.scaled_masked_softmax(x, key_lengths=kl.to(device), scale=0.5)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ref = _reference.softmax_forward(x.cpu().numpy(), None, 0.5, False, np.array(vals, dtype=object).astype(float))
+    assert_matches(y.cpu().numpy(), ref, "float32", f"key_lengths {kdtype}")
+
+
+def _uint64(vals):
+    return torch.from_numpy(np.array(vals, dtype=np.uint64))
+
+
+def test_key_lengths_conversion_for_the_kernels_keeps_every_value():
+    # The GPU path converts dtypes the kernels do not read to int64; the conversion is
+    # device-agnostic, so it is checked here on every value class of every dtype.
+    from drvsoftmax.torch import _lengths_int64
+
+    rng = np.random.default_rng(5)
+    for dt in _INT_TORCH:
+        lo, hi = _limits(dt)
+        vals = [lo, hi, 0, 1, hi // 2, hi // 2 + 1] + [
+            int(v) for v in rng.integers(lo, hi, 50, endpoint=True, dtype=np.int64 if hi < 2**63 else np.uint64)
+        ]
+        src = _uint64(vals) if dt == torch.uint64 else torch.tensor(vals, dtype=dt)
+        for t in (src, src[::2]):  # contiguous and strided
+            got = _lengths_int64(t)
+            assert got.dtype == torch.int64 and got.is_contiguous()
+            want = [min(int(v), 2**63 - 1) for v in (vals if t is src else vals[::2])]
+            assert got.tolist() == want, dt
+
+
+@pytest.mark.parametrize("stream", [0, 7, None])
+def test_cpu_paths_take_a_valid_stream(stream):
+    # stream= is validated on the CPU paths too (bad ones are in test_softmax_badinput);
+    # a valid one changes nothing there.
+    x = torch.randn(2, 3, 9)
+    want = drvsoftmax.scaled_masked_softmax(x, scale=0.3)
+    assert torch.equal(drvsoftmax.scaled_masked_softmax(x, scale=0.3, stream=stream), want)
+    assert np.array_equal(
+        drvsoftmax.scaled_masked_softmax(x.numpy(), scale=0.3, stream=stream),
+        drvsoftmax.scaled_masked_softmax(x.numpy(), scale=0.3),
+    )
+    dy = torch.randn(2, 3, 9)
+    assert torch.equal(
+        drvsoftmax.scaled_masked_softmax_backward(dy, want, stream=stream),
+        drvsoftmax.scaled_masked_softmax_backward(dy, want),
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_prepared_launches_are_forgotten_in_a_forked_child():
+    # A child of fork() has no CUDA context: launches prepared by the parent must not be
+    # reused there (its next call prepares again and meets the driver's fork check).
+    from drvsoftmax import torch as dtorch
+
+    key = ("a prepared launch of the parent",)
+    dtorch._prepared[key] = (object(), ())
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            os._exit(0 if key not in dtorch._prepared else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        dtorch._prepared.pop(key, None)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_cached_overlap_screen_agrees_with_the_overlap_check():
+    # The CUDA fast path screens out= calls with cached spans and pointers; whatever it
+    # decides must be what _args.check_no_overlap decides on the same tensors.  Random
+    # views of one buffer (shifted, strided, transposed, equal), on the CPU.
+    from drvsoftmax import _args
+    from drvsoftmax.torch import _OutSpans, _region
+
+    rng = np.random.default_rng(3)
+    base = torch.zeros(4000)
+    shape = (2, 3, 4, 5)
+    layouts = [(60, 20, 5, 1), (60, 20, 1, 4), (120, 40, 10, 2), (0, 20, 5, 1), (1, 2, 6, 24)]
+
+    def view(offset, strides):
+        return base.as_strided(shape, strides, offset)
+
+    decided = {True: 0, False: 0}
+    for _ in range(3000):
+        xs = layouts[rng.integers(len(layouts))]
+        os_ = (60, 20, 5, 1) if rng.random() < 0.7 else (120, 40, 10, 2)
+        x = view(int(rng.integers(0, 300)), xs)
+        out = x if rng.random() < 0.15 and xs[0] else view(int(rng.integers(0, 300)), os_)
+        # Masks and lengths anywhere, or just touching out's first or last element (+-2).
+        lo, hi = out.storage_offset(), out.storage_offset() + sum((n - 1) * st for n, st in zip(shape, out.stride()))
+        edge = int(rng.choice([lo - 20, hi])) + int(rng.integers(-2, 3))
+        moff = edge if rng.random() < 0.5 else int(rng.integers(0, 3000))
+        koff = (
+            int(rng.choice([lo - 2, hi])) + int(rng.integers(-2, 3))
+            if rng.random() < 0.5
+            else int(rng.integers(0, 3000))
+        )
+        mask = base.as_strided((4, 5), (5, 1), max(moff, 0)) if rng.random() < 0.6 else None
+        kl = base.view(torch.int32).as_strided((2,), (1,), max(koff, 0)) if rng.random() < 0.6 else None
+        try:
+            _args.check_no_overlap(
+                _region("out", out), (_region("x", x), _region("mask", mask), _region("key_lengths", kl)), ("x",)
+            )
+            want = False
+        except drvsoftmax.ArgumentValueError:
+            want = True
+        spans = _OutSpans(x, out, mask, kl)
+        # Later calls of the same layouts at other pointers: shift everything alike.
+        try:
+            spans.check(out.data_ptr(), x.data_ptr(), 0 if mask is None else mask.data_ptr(), kl)
+            got = False
+        except drvsoftmax.ArgumentValueError:
+            got = True
+        assert got == want, (xs, os_, x.storage_offset(), out.storage_offset())
+        decided[want] += 1
+    assert decided[True] > 300 and decided[False] > 300, decided
