@@ -36,7 +36,7 @@ from ._errors import (
     NvrtcError,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "scaled_masked_softmax",
