@@ -518,3 +518,10 @@ def cache_clear() -> tuple[int, int]:
             freed += n
     log.info("cache %s cleared: %d files, %d bytes", d, removed, freed)
     return removed, freed
+
+
+def precompile_one(arch: str, name: str) -> tuple[str, bool, float]:
+    """Fill the cache entry of one kernel (a process-pool task): (name, was cached, seconds)."""
+    t = time.perf_counter()
+    _, cached = cached_compile(arch, [name])
+    return name, cached, time.perf_counter() - t

@@ -429,11 +429,11 @@ def describe_source(arch: str, driver_version: int | None, name: str | None = No
     from ._plan import all_kernel_names
 
     names = all_kernel_names()
-    counts: dict[str, int] = {}
+    counts: dict[tuple[int, str], int] = {}
     for n in names:
-        label = _summary_label(_steps(n, arch, driver_version))
-        counts[label] = counts.get(label, 0) + 1
-    return "; ".join(f"{label} for {c} of {len(names)} kernels" for label, c in counts.items())
+        key = _summary_label(_steps(n, arch, driver_version))
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{label} for {c} of {len(names)} kernels" for (_, label), c in sorted(counts.items()))
 
 
 def _describe_one(arch: str, driver_version: int | None, name: str) -> str:
@@ -450,21 +450,22 @@ def _describe_one(arch: str, driver_version: int | None, name: str) -> str:
     return "nothing: " + "; ".join(notes)
 
 
-def _summary_label(steps: Iterator[Step]) -> str:
+def _summary_label(steps: Iterator[Step]) -> tuple[int, str]:
+    """(rank in the chain, label) of the source a kernel's chain would take first."""
     notes = []
     for s in steps:
         notes.append(s.detail)
         if s.source == "packaged cubin":
             assert s.entry is not None
-            return f"packaged cubin {s.entry['arch']}"
+            return 0, f"packaged cubin {s.entry['arch']}"
         if s.source == "cached cubin":
-            return "cached run-time cubin"
+            return 1, "cached run-time cubin"
         if s.source == "packaged PTX":
             assert s.entry is not None
-            return f"packaged PTX {s.entry['arch']} (JIT by the driver)"
+            return 2, f"packaged PTX {s.entry['arch']} (JIT by the driver)"
         if s.source == "NVRTC":
-            return f"NVRTC {_compiler.nvrtc_version_str()} at run time (cached in {_compiler.cache_dir()})"
-    return "nothing (" + "; ".join(notes) + ")"
+            return 3, f"NVRTC {_compiler.nvrtc_version_str()} at run time (cached in {_compiler.cache_dir()})"
+    return 4, "nothing (" + "; ".join(notes) + ")"
 
 
 def _cuda_str(v) -> str:
