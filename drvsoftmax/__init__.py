@@ -35,7 +35,6 @@ from ._errors import (
     KernelUnavailableError,
     NvrtcError,
 )
-
 from ._version import __version__
 
 __all__ = [

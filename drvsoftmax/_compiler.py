@@ -175,7 +175,7 @@ def compile_kernels(arch: str, names: list[str] | None = None) -> CompiledImage:
     def _log(prog):
         try:
             (n,) = nvrtc.nvrtcGetProgramLogSize(prog)[1:]
-            buf = b" " * n
+            buf = bytearray(n)  # never `b" " * n`: a 1-byte result is a shared constant NVRTC would overwrite
             nvrtc.nvrtcGetProgramLog(prog, buf)
             return buf.rstrip(b"\0 ").decode(errors="replace")
         except Exception:
@@ -199,11 +199,11 @@ def compile_kernels(arch: str, names: list[str] | None = None) -> CompiledImage:
             lowered[n] = bytes(low).decode()  # copy before the program is destroyed
         if kind == "sm":
             (size,) = ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            buf = b" " * size
+            buf = bytearray(size)
             ok(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
         else:
             (size,) = ok(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            buf = b" " * size
+            buf = bytearray(size)
             ok(nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
         return CompiledImage(arch, bytes(buf), lowered, ver, compile_log)
     finally:
@@ -285,7 +285,7 @@ def cache_problem(create: bool = True) -> str | None:
                 d.mkdir(mode=0o700)
         st = os.stat(d)
     except OSError as e:
-        return f"cache folder {d} is unusable: {e.strerror or e}"
+        return f"cache folder {d} is unusable ({e})"
     if not stat.S_ISDIR(st.st_mode):
         return f"cache folder {d} is not a folder"
     return _unsafe_reason(st, "cache folder", d)
