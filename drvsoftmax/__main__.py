@@ -229,7 +229,11 @@ def cache_command(action: str, as_json: bool = False) -> int:
     return 0
 
 
-def precompile(archs: list[str] | None, jobs: int | None, everything: bool) -> int:
+def _packaged_cubin_serves(name: str, arch: str) -> bool:
+    return any(s.source == "packaged cubin" for s in _loader.plan(name, arch, None))
+
+
+def precompile(archs: list[str] | None, jobs: int | None, everything: bool, kernels: list[str] | None = None) -> int:
     """Compile into the run-time cache what the packaged cubins do not cover."""
     import concurrent.futures
     import multiprocessing
@@ -254,13 +258,16 @@ def precompile(archs: list[str] | None, jobs: int | None, everything: bool) -> i
     if problem:
         print(f"precompile: the cache cannot be used: {problem}", file=sys.stderr)
         return 1
+    known = _plan.all_kernel_names()
+    for k in kernels or []:
+        if k not in known:
+            raise _errors.arg_value_error("--kernels", "kernel names that `info --kernels` lists", repr(k))
     work = []
     for a in archs:
-        names = _plan.all_kernel_names()
-        if not everything:
-            names = [n for n in names if _loader.plan(n, a, None)[0].source != "packaged cubin"]
+        wanted = list(kernels) if kernels else known
+        names = wanted if everything else [n for n in wanted if not _packaged_cubin_serves(n, a)]
         print(
-            f"{a}: {len(names)} kernel(s) to compile or find in the cache ({len(_plan.all_kernel_names()) - len(names)} served by packaged cubins)"
+            f"{a}: {len(names)} kernel(s) to compile or find in the cache, {len(wanted) - len(names)} in packaged cubins"
         )
         work += [(a, n) for n in names]
     t = time.perf_counter()
@@ -362,6 +369,7 @@ def main(argv=None) -> int:
     pp.add_argument("--arch", nargs="+", default=None, help="architectures (sm_XY); default: this machine's GPUs")
     pp.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
     pp.add_argument("--all", action="store_true", help="also the kernels packaged cubins serve")
+    pp.add_argument("--kernels", nargs="+", default=None, help="only these kernels (names as `info --kernels` lists)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
@@ -372,7 +380,7 @@ def main(argv=None) -> int:
             return info(args.kernels, args.arch, args.json)
         if args.cmd == "cache":
             return cache_command(args.action, args.json)
-        return precompile(args.arch, args.jobs, args.all)
+        return precompile(args.arch, args.jobs, args.all, args.kernels)
     except _errors.DrvSoftmaxError as e:
         print(f"python -m drvsoftmax {args.cmd}: {e}", file=sys.stderr)
         return 2
