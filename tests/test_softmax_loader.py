@@ -432,11 +432,7 @@ def test_malformed_entry_is_skipped_and_the_rest_used(fake_chain, target, damage
     art = _loader.artifacts()
     assert art.usable and set(art.rejected) == {target}, "the damaged entry must be reported"
     # The rest is used (the sm_80 cubin cannot serve sm_90; the compute_75 PTX can).
-    assert origin == (
-        "packaged cubin c90.cubin"
-        if target == "p75.ptx"
-        else "packaged PTX p75.ptx (JIT by the driver)"
-    )
+    assert origin == ("packaged cubin c90.cubin" if target == "p75.ptx" else "packaged PTX p75.ptx (JIT by the driver)")
     from drvsoftmax.__main__ import collect_info
 
     problems = {f["name"]: f["problem"] for f in collect_info(arch="sm_90")["packaged"]["files"]}
