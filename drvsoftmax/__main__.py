@@ -290,23 +290,26 @@ def demo(shape=(4, 12, 512, 512), iters=50) -> int:
     try:
         import torch
     except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        why = "PyTorch is not installed" if torch is None else "no CUDA GPU is visible"
-        print(f"No GPU run: {why}. Running the CPU reference path instead.")
-        rng = np.random.default_rng(0)
-        small = (1, 2, 64, 64)
-        x = rng.standard_normal(small).astype(np.float32)
-        mask = rng.random((small[0], 1, small[2], small[3])) < 0.1
-        t = time.perf_counter()
-        y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=True)
-        dt = time.perf_counter() - t
-        print(
-            f"scaled_masked_softmax{small} float32 (bool mask + causal) on the CPU: {dt * 1e3:.2f} ms; "
-            f"rows sum to 1: {np.allclose(y.sum(-1), 1, atol=1e-5)}"
-        )
-        return 0
+        return _cpu_demo("PyTorch is not installed", scale)
+    if not torch.cuda.is_available():
+        return _cpu_demo("no CUDA GPU is visible", scale)
     return run_demo(torch, torch.device("cuda"), shape, iters)
+
+
+def _cpu_demo(why: str, scale: float) -> int:
+    print(f"No GPU run: {why}. Running the CPU reference path instead.")
+    rng = np.random.default_rng(0)
+    small = (1, 2, 64, 64)
+    x = rng.standard_normal(small).astype(np.float32)
+    mask = rng.random((small[0], 1, small[2], small[3])) < 0.1
+    t = time.perf_counter()
+    y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=True)
+    dt = time.perf_counter() - t
+    print(
+        f"scaled_masked_softmax{small} float32 (bool mask + causal) on the CPU: {dt * 1e3:.2f} ms; "
+        f"rows sum to 1: {np.allclose(y.sum(-1), 1, atol=1e-5)}"
+    )
+    return 0
 
 
 def run_demo(torch, dev, shape=(4, 12, 512, 512), iters=50, scale=1.0 / 8.0) -> int:

@@ -213,10 +213,10 @@ def _read_artifacts(folder: str) -> Artifacts:
     if not isinstance(files, dict):
         art.why_not = f"malformed manifest {mpath}: 'files' is {type(files).__name__}, not an object"
         return art
-    for fname, e in files.items():
-        why = _entry_problem(fname, e)
+    for fname, entry in files.items():
+        why = _entry_problem(fname, entry)
         if why is None:
-            art.files[fname] = e
+            art.files[fname] = entry
         else:
             art.rejected[str(fname)] = why
             log.info("packaged artifact %r ignored: %s", fname, why)
@@ -393,7 +393,8 @@ def find_kernel(name: str, arch: str, driver_version: int):
         try:
             if step.source in ("packaged cubin", "packaged PTX"):
                 assert step.entry is not None
-                lib = _load_library("pkg:" + step.fname, _verified_bytes(artifacts(), step.fname))
+                key = "pkg:" + step.fname  # a file holds several kernels: read and verify it once
+                lib = _libraries.get(key) or _load_library(key, _verified_bytes(artifacts(), step.fname))
                 k = _get_kernel(lib, step.entry["lowered"][name])
                 origin = str(step) + (" (JIT by the driver)" if step.source == "packaged PTX" else "")
             else:
