@@ -275,6 +275,8 @@ def _check_raises(call, exc, pattern):
 @pytest.mark.parametrize("front", FRONTS)
 @pytest.mark.parametrize("case,build,exc,pattern", CASES, ids=[c[0] for c in CASES])
 def test_argument_errors(front, case, build, exc, pattern):
+    if torch is None and case.endswith("_other_framework"):
+        pytest.skip("needs torch for the other framework's array")
     _check_raises(build(front), exc, pattern)
 
 
