@@ -318,6 +318,7 @@ class Step:
     detail: str  # the file, or the reason
     fname: str = ""
     entry: dict | None = None
+    image: _compiler.CompiledImage | None = None  # a cached run-time cubin, already read and verified
 
     def __str__(self) -> str:
         return f"{self.source} {self.detail}".strip()
@@ -360,7 +361,7 @@ def _steps(name: str, arch: str, driver_version: int | None) -> Iterator[Step]:
                     yield Step("packaged cubin", fname + ("" if how == "exact" else f" ({e['arch']})"), fname, e)
     hit = _cache_hit(arch, name)
     if hit is not None:
-        yield Step("cached cubin", f"NVRTC {hit.nvrtc} for {arch} in {_compiler.cache_dir()}")
+        yield Step("cached cubin", f"NVRTC {hit.nvrtc} for {arch} in {_compiler.cache_dir()}", image=hit)
     if not force_jit:
         art = artifacts()
         if art.usable:
@@ -398,11 +399,8 @@ def find_kernel(name: str, arch: str, driver_version: int):
                 k = _get_kernel(lib, step.entry["lowered"][name])
                 origin = str(step) + (" (JIT by the driver)" if step.source == "packaged PTX" else "")
             else:
-                if step.source == "cached cubin":
-                    hit, cached = _compiler.cache_lookup(arch, [name]), True
-                    if hit is None:
-                        raise DrvSoftmaxError("the cache entry went away")
-                    img = hit
+                if step.image is not None:  # the cached cubin step
+                    img, cached = step.image, True
                 else:
                     img, cached = _compiler.cached_compile(arch, [name])
                 lib = _load_library(f"jit:{arch}:{name}:{hashlib.sha256(img.image).hexdigest()}", img.image)
