@@ -299,22 +299,31 @@ def _trusted_cache() -> bool:
     return False
 
 
-def _read_entry_file(path: Path) -> bytes | None:
-    """The bytes of a cache file, if it is a regular file of ours (links are not followed)."""
+def read_regular_file(path: Path) -> tuple[bytes, os.stat_result] | None:
+    """(bytes, stat) of a regular file, not following a symbolic link; None when the path
+    is absent, a link, or not a regular file.  Used for the cache and packaged artifacts."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except OSError:
-        return None  # missing, or a symbolic link
+        return None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             return None
-        why = _unsafe_reason(st, "cache entry", path)
-        if why is not None:
-            _warn_once(why + "; it is ignored and rebuilt")
-            return None
-        return f.read()
+        return f.read(), st
+
+
+def _read_entry_file(path: Path) -> bytes | None:
+    """The bytes of a cache file, if it is a regular file of ours (links are not followed)."""
+    got = read_regular_file(path)
+    if got is None:
+        return None
+    why = _unsafe_reason(got[1], "cache entry", path)
+    if why is not None:
+        _warn_once(why + "; it is ignored and rebuilt")
+        return None
+    return got[0]
 
 
 def _valid_meta(meta: object, arch: str, names: list[str]) -> bool:

@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import stat
 import threading
 import time
 import warnings
@@ -233,15 +232,8 @@ def artifacts() -> Artifacts:
 
 def _read_plain_file(path: Path) -> bytes | None:
     """A regular file's bytes, not following a symbolic link; None when absent or not one."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        return f.read()
+    got = _compiler.read_regular_file(path)
+    return None if got is None else got[0]
 
 
 _verified: dict[tuple, str | None] = {}
