@@ -38,8 +38,7 @@ from ._errors import (
     arg_type_error,
     arg_value_error,
 )
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "scaled_masked_softmax",

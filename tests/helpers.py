@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -25,12 +29,43 @@ def torch_or_none():
         return None
 
 
+_GPU_COUNT = """
+try:
+    from cuda.bindings import driver
+    ok = int(driver.cuInit(0)[0]) == 0
+    err, n = driver.cuDeviceGetCount() if ok else (1, 0)
+    print(int(n) if int(err) == 0 else 0)
+except Exception:
+    print(0)
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_count() -> int:
+    """GPUs the CUDA driver reports, asked in a subprocess (this process stays un-initialised,
+    so fork tests and framework initialisation order are not disturbed); 0 without a driver."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _GPU_COUNT], capture_output=True, text=True, timeout=120)
+        return int(r.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
 def cuda_available() -> bool:
+    """A CUDA GPU is visible to the driver (whatever frameworks are installed)."""
+    return gpu_count() > 0
+
+
+def torch_cuda_available() -> bool:
+    """PyTorch is installed and sees a CUDA GPU."""
     torch = torch_or_none()
     return bool(torch is not None and torch.cuda.is_available())
 
 
-requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the CUDA driver reports none)")
+requires_torch_cuda = pytest.mark.skipif(
+    not torch_cuda_available(), reason="needs PyTorch with a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 
 def assert_matches(got: np.ndarray, ref: np.ndarray, dtype: str, what: str = "") -> None:

@@ -1089,8 +1089,8 @@ def test_bad_explain_input(call, exc, pattern):
 
 
 def test_explain_accepts_what_the_functions_accept():
-    assert drvsoftmax.explain((2, 3, 8), torch.bfloat16, mask_dtype=torch.bool, causal=True).startswith("short tier")
-    assert drvsoftmax.explain([np.int64(4), 100], np.float32, mask_dtype=np.uint64).startswith("short tier")
+    assert drvsoftmax.explain((2, 3, 8), torch.bfloat16, mask_dtype=torch.bool, causal=True).startswith("register tier")
+    assert drvsoftmax.explain([np.int64(4), 100], np.float32, mask_dtype=np.uint64).startswith("register tier")
     assert drvsoftmax.explain((0, 8)).startswith("no kernel")
     assert drvsoftmax.explain((4, 0), backward=True).startswith("no kernel")
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches, requires_cuda
+from helpers import assert_matches
+from helpers import requires_torch_cuda as requires_cuda
 
 import drvsoftmax
 from drvsoftmax import _reference

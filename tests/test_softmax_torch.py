@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_matches, cuda_available, requires_cuda, run_in_threads
+from helpers import assert_matches, run_in_threads
+from helpers import requires_torch_cuda as requires_cuda
+from helpers import torch_cuda_available as cuda_available
 
 torch = pytest.importorskip("torch")
 import drvsoftmax  # noqa: E402
