@@ -1,6 +1,6 @@
 """A small GPU slice of every kernel tier, for compute-sanitizer (see tests/sanitize.sh).
 
-Every dtype (fp16, bf16, fp32) through the short, register and looped tiers, forward and
+Every dtype (fp16, bf16, fp32) through every register-tier variant and the looped tier, forward and
 backward, with each mask family (none, bool, integer, float16/float64 additive), causal,
 key_lengths (int32, int64), strided and misaligned views and in-place output.  It needs
 only numpy, cuda-bindings and drvsoftmax (no torch): arrays are device allocations made
@@ -129,10 +129,11 @@ def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------
 # The slice.
 
-# Sk per tier, forward and backward: 7 and 200 short (one chunk per thread), 1000 and
-# 4097 register, 40000 looped (past the forward's 32768 and the backward's 16384).
-FWD_SK = [7, 200, 1000, 4097, 40000]
-BWD_SK = [7, 200, 1000, 16385, 40000]
+# Sk per kernel variant, forward and backward: 7 and 200 (2 chunks x 2 rows per thread,
+# odd rows off a 16-byte boundary), 1000 and 4097 (8 chunks per thread, rows spanning
+# warps), 12000 (fp32: 16 chunks per thread), 40000 (the looped tier, past 16384).
+FWD_SK = [7, 200, 1000, 4097, 12000, 40000]
+BWD_SK = [7, 200, 1000, 4097, 12000, 40000]
 
 
 def _mask(rng, kind, b, sq, sk):
@@ -257,7 +258,7 @@ def run(quiet: bool) -> int:
         (d, w, t)
         for d in ("float16", "bfloat16", "float32")
         for w in ("forward", "backward")
-        for t in ("short", "register", "loop")
+        for t in ("register", "loop")
     }
     missing = sorted(want - tiers)
     if missing:

@@ -51,7 +51,7 @@ def _sample_rows(rows, k=61):
     "dtype,rows,sk,why",
     [
         ("float16", 2**21 + 1, 1024, "register tier, 2^31 + 1024 elements"),
-        ("bfloat16", 2**24 + 3, 128, "short tier, 2^31 + 384 elements, grid-stride rows"),
+        ("bfloat16", 2**24 + 3, 128, "2 chunks x 2 rows per thread, 2^31 + 384 elements, many blocks"),
         ("float16", 4097, 2**20, "looped tier, 2^32 + 2^20 elements"),
         ("float32", 2**20 + 1, 2048, "fp32, 2^31 + 2048 elements"),
     ],
