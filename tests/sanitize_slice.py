@@ -129,8 +129,9 @@ def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------
 # The slice.
 
-# Sk per tier, forward and backward: 7 and 200 short (one chunk per thread), 1000 and
-# 4097 register, 40000 looped (past the forward's 32768 and the backward's 16384).
+# Row lengths that reach every tier (checked against the planner at the end): short rows
+# (7, 200), register rows (1000, 4097; 16385 backward), and 40000, past every register
+# tier's capacity, for the looped one.
 FWD_SK = [7, 200, 1000, 4097, 40000]
 BWD_SK = [7, 200, 1000, 16385, 40000]
 
@@ -147,6 +148,14 @@ def _mask(rng, kind, b, sq, sk):
     if kind == "add_f64_bhqk":
         return np.where(rng.random((b, 2, sq, sk)) < 0.2, -np.inf, rng.standard_normal((b, 2, sq, sk))), "float64"
     raise ValueError(kind)
+
+
+def _tiers(dtype: str, direction: str) -> set[str]:
+    """Every tier the planner picks for some row length (names as explain() gives them)."""
+    sks = [1, 2, 7, 8, 31, 32, 33, 64, 128, 200, 256, 257, 512, 1000, 1024, 4097, 8192, 16384, 16385]
+    sks += [32768, 32769, 40000, 65536, 262144, 1048576]
+    back = direction == "backward"
+    return {drvsoftmax.explain((2, sk), dtype, backward=back).split(" ", 1)[0] for sk in sks}
 
 
 def run(quiet: bool) -> int:
@@ -254,10 +263,7 @@ def run(quiet: bool) -> int:
     check(driver.cuStreamDestroy(stream), "cuStreamDestroy")
     check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
     want = {
-        (d, w, t)
-        for d in ("float16", "bfloat16", "float32")
-        for w in ("forward", "backward")
-        for t in ("short", "register", "loop")
+        (d, w, t) for d in ("float16", "bfloat16", "float32") for w in ("forward", "backward") for t in _tiers(d, w)
     }
     missing = sorted(want - tiers)
     if missing:
