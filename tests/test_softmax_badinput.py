@@ -1089,8 +1089,11 @@ def test_bad_explain_input(call, exc, pattern):
 
 
 def test_explain_accepts_what_the_functions_accept():
-    assert drvsoftmax.explain((2, 3, 8), torch.bfloat16, mask_dtype=torch.bool, causal=True).startswith("register tier")
-    assert drvsoftmax.explain([np.int64(4), 100], np.float32, mask_dtype=np.uint64).startswith("register tier")
+    by_objects = drvsoftmax.explain((2, 3, 8), torch.bfloat16, mask_dtype=torch.bool, causal=True)
+    assert by_objects == drvsoftmax.explain((2, 3, 8), "bfloat16", mask_dtype="bool", causal=True)
+    assert " tier: " in by_objects
+    by_numpy = drvsoftmax.explain([np.int64(4), 100], np.float32, mask_dtype=np.uint64)
+    assert by_numpy == drvsoftmax.explain((4, 100), "float32", mask_dtype="uint64")
     assert drvsoftmax.explain((0, 8)).startswith("no kernel")
     assert drvsoftmax.explain((4, 0), backward=True).startswith("no kernel")
 
