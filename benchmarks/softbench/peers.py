@@ -84,6 +84,10 @@ def apex_kernel(case: Case) -> tuple[str | None, str]:
     """(module, "") for the apex extension that computes this case, or (None, why not)."""
     if case.dtype not in ("float16", "bfloat16"):
         return None, "apex's kernels take fp16/bf16 only"
+    if case.sk % 8:
+        # Its warp kernels read rows in 16-byte vectors: an odd row length faults
+        # (misaligned address), and the fault ends the CUDA context of the whole run.
+        return None, "apex's kernels need Sk divisible by 8"
     b, h, sq = _bhsq(case)
     bpb = apex_rows_per_block(case.sk)
     if len(case.shape) not in (2, 4):
