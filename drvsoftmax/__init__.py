@@ -123,7 +123,9 @@ def scaled_masked_softmax_backward(dy: Any, y: Any, *, scale: float = 1.0, out: 
     one of them (any other overlap of out with dy or y is refused).  Same array types and
     streams as the forward; on tensors that require grad the result is differentiable.
     """
-    front = _torch_front(y)
+    front = _tfront
+    if front is None or not isinstance(y, front.Tensor):
+        front = _torch_front(y)
     if front is not None:
         return front.scaled_masked_softmax_backward(dy, y, scale=scale, out=out, stream=stream)
     if isinstance(y, np.ndarray):

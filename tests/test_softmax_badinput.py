@@ -344,6 +344,11 @@ FULLGRAPH_SKIP = {
     "stream_object": "dynamo cannot trace hasattr on an arbitrary object",
     "x_nested": "torch.compile does not take strided nested tensors",
 }
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    # Seen with torch 2.11: dynamo cannot trace float() of a Fraction, and may fail
+    # internally on a first traced backward call; 2.13 traces both to our checks.
+    FULLGRAPH_SKIP["scale_fraction_huge"] = "dynamo before torch 2.13 cannot trace float(Fraction)"
+    FULLGRAPH_SKIP["bwd_dy_list"] = "dynamo before torch 2.13 fails inside its own tracer here"
 # The default torch.compile (falling back to eager where dynamo cannot trace) costs about a
 # second a case: it runs where fullgraph cannot, and on this sample of the rest.
 COMPILE_SAMPLE = {
