@@ -19,12 +19,18 @@ import os
 import platform
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import drvsoftmax
 
 from . import _compiler, _errors, _loader, _plan, _reference
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch as _torch
 
 
 def _version(mod: str) -> str | None:
@@ -40,7 +46,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
-def collect_info(list_kernels: bool = False, arch: str | None = None) -> dict:
+def collect_info(list_kernels: bool = False, arch: str | None = None) -> dict[str, Any]:
     """Everything ``info`` reports, as plain data (the keys of ``info --json``)."""
     art = _loader.artifacts()
     files = []
@@ -66,14 +72,14 @@ def collect_info(list_kernels: bool = False, arch: str | None = None) -> dict:
     m = art.manifest if art.usable and art.manifest else {}
     cinfo = _compiler.cache_info()
     switch_problem = None
-    switches: dict = {n: None for n in (_loader.NO_JIT, _loader.FORCE_JIT)}
+    switches: dict[str, bool | str | None] = {n: None for n in (_loader.NO_JIT, _loader.FORCE_JIT)}
     for n in switches:
         try:
             switches[n] = _loader._flag(n)
         except ValueError as e:
             switch_problem = str(e)
     switches[_compiler.CACHE_ENV] = os.environ.get(_compiler.CACHE_ENV) or None
-    info: dict = {
+    info: dict[str, Any] = {
         "drvsoftmax": drvsoftmax.__version__,
         "python": platform.python_version(),
         "packages": {n: _version(n) for n in ("cuda-bindings", "cuda-pathfinder", "nvidia-cuda-nvrtc", "torch")}
@@ -113,9 +119,9 @@ def collect_info(list_kernels: bool = False, arch: str | None = None) -> dict:
         from . import _driver
 
         ver = _driver.driver_version()
-        n = _driver.device_count()
+        count = _driver.device_count()
         info["driver"]["cuda_version"] = ver
-        for i in range(n):
+        for i in range(count):
             dev = _driver.device(i)
             info["devices"].append(
                 {
@@ -131,14 +137,14 @@ def collect_info(list_kernels: bool = False, arch: str | None = None) -> dict:
         info["driver"]["problem"] = _first_line(e)
         archs = archs or ["sm_90"]
     for a in dict.fromkeys(archs):
-        entry: dict = {"kernels_from": source(a, ver)}
+        entry: dict[str, Any] = {"kernels_from": source(a, ver)}
         if list_kernels:
             entry["kernels"] = {k: source(a, ver, k) for k in _plan.all_kernel_names()}
         info["archs"][a] = entry
     return info
 
 
-def _cuda(v) -> str:
+def _cuda(v: object) -> str:
     return "?" if v is None else f"CUDA {_loader._cuda_str(v)}"
 
 
@@ -160,7 +166,7 @@ def info(list_kernels: bool = False, arch: str | None = None, as_json: bool = Fa
     if p["usable"]:
         built = f", built in {p['build_seconds']:.0f} s" if isinstance(p["build_seconds"], (int, float)) else ""
         print(f"packaged artifacts: {p['folder']} (NVRTC {p['nvrtc']}, {p['kernels']} kernels{built})")
-        groups: dict[tuple, list] = {}
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for f in p["files"]:
             if f["problem"] is None:
                 groups.setdefault((f["kind"], f["arch"]), []).append(f)
@@ -285,7 +291,7 @@ def precompile(archs: list[str] | None, jobs: int | None, everything: bool, kern
     return 0
 
 
-def demo(shape=(4, 12, 512, 512), iters=50) -> int:
+def demo(shape: tuple[int, int, int, int] = (4, 12, 512, 512), iters: int = 50) -> int:
     scale = 1.0 / 8.0
     try:
         import torch
@@ -312,7 +318,13 @@ def _cpu_demo(why: str, scale: float) -> int:
     return 0
 
 
-def run_demo(torch, dev, shape=(4, 12, 512, 512), iters=50, scale=1.0 / 8.0) -> int:
+def run_demo(
+    torch: ModuleType,
+    dev: _torch.device,
+    shape: tuple[int, int, int, int] = (4, 12, 512, 512),
+    iters: int = 50,
+    scale: float = 1.0 / 8.0,
+) -> int:
     """The attention-shaped check and timing on `dev` (the GPU; the CPU in tests)."""
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(
@@ -328,11 +340,11 @@ def run_demo(torch, dev, shape=(4, 12, 512, 512), iters=50, scale=1.0 / 8.0) -> 
     ok = err < 2e-3
     print(f"max |drvsoftmax - float64 reference| = {err:.2e} ({'OK' if ok else 'TOO LARGE'})")
 
-    def eager():
+    def eager() -> Any:
         causal = torch.ones(shape[2], shape[3], dtype=torch.bool, device=dev).triu(1)
         return torch.softmax((x * scale).masked_fill(mask | causal, float("-inf")), -1)
 
-    def ours():
+    def ours() -> Any:
         return drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=True)
 
     for label, fn in (("drvsoftmax", ours), ("PyTorch eager", eager)):
@@ -356,7 +368,7 @@ def run_demo(torch, dev, shape=(4, 12, 512, 512), iters=50, scale=1.0 / 8.0) -> 
     return 0 if ok else 1
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m drvsoftmax", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"drvsoftmax {drvsoftmax.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._errors import NvrtcError, arg_value_error
 from ._log import log
@@ -104,7 +105,7 @@ def _preload_nvrtc_from_sys_path() -> str | None:
     return None
 
 
-def _nvrtc():
+def _nvrtc() -> Any:
     _preload_nvrtc_from_sys_path()
     from cuda.bindings import nvrtc
 
@@ -127,7 +128,7 @@ def nvrtc_version_str() -> str:
         return f"unavailable ({type(e).__name__})"
 
 
-def arch_parts(arch: str) -> tuple[str, int, str]:
+def arch_parts(arch: object) -> tuple[str, int, str]:
     """'sm_90' -> ('sm', 90, ''); 'sm_90a' -> ('sm', 90, 'a'); 'compute_75' -> ('compute', 75, '').
 
     An ``a`` suffix marks architecture-specific code, which runs on exactly that
@@ -166,13 +167,13 @@ def compile_kernels(arch: str, names: list[str] | None = None) -> CompiledImage:
     hdr_texts = [t.encode() for t in srcs.values()]
     ver = nvrtc_version_str()
 
-    def ok(res, call, prog=None):
+    def ok(res: tuple[Any, ...], call: str, prog: Any = None) -> tuple[Any, ...]:
         err = res[0]
         if int(err) != 0:
             raise NvrtcError(call, getattr(err, "name", str(int(err))), _log(prog) if prog else "", ver)
         return res[1:]
 
-    def _log(prog):
+    def _log(prog: Any) -> str:
         try:
             (n,) = nvrtc.nvrtcGetProgramLogSize(prog)[1:]
             buf = bytearray(n)  # never `b" " * n`: a 1-byte result is a shared constant NVRTC would overwrite

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _params, _plan
 from ._errors import arg_type_error, arg_value_error, check
+
+if TYPE_CHECKING:
+    from ._driver import Device
 
 MAXD = _params.MAXT  # leading dims of one operand merge into at most this many terms
 F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC, F_SMALL, F_SAMEMAP = (
@@ -59,15 +62,17 @@ class Operand(NamedTuple):
 
     ptr: int
     dtype: str
-    shape: tuple
-    strides: tuple
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
 
 
 # ----------------------------------------------------------------------------------
 # Shapes and strides (pure; tested on the CPU).
 
 
-def broadcast_strides(name: str, shape: tuple, strides: tuple, target: tuple) -> tuple:
+def broadcast_strides(
+    name: str, shape: tuple[int, ...], strides: tuple[int, ...], target: tuple[int, ...]
+) -> tuple[int, ...]:
     """Strides of an array of `shape` broadcast to `target` (0 along broadcast dims)."""
     if len(shape) > len(target) and any(n != 1 for n in shape[: len(shape) - len(target)]):
         raise arg_value_error(name, f"broadcastable to x.shape {tuple(target)}", f"shape {tuple(shape)}")
@@ -85,7 +90,7 @@ def broadcast_strides(name: str, shape: tuple, strides: tuple, target: tuple) ->
     return tuple(out)
 
 
-def row_map(lead: tuple, strides: tuple) -> list[tuple[int, int, int]]:
+def row_map(lead: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """The row map of one operand: terms (div, mod, stride) with
     offset(row) = sum(((row // div) % mod if mod else row // div) * stride).
 
@@ -117,7 +122,7 @@ def row_map(lead: tuple, strides: tuple) -> list[tuple[int, int, int]]:
     return terms
 
 
-def map_offset(terms: list, row: int) -> int:
+def map_offset(terms: list[tuple[int, int, int]], row: int) -> int:
     """offset(row) of a row map, as the kernels compute it (for tests and checks)."""
     off = 0
     for d, m, s in terms:
@@ -134,8 +139,8 @@ def magic_divisor(d: int) -> tuple[int, int]:
     return -(-(1 << p) // d), p - 32
 
 
-def _map_fields(prefix: str, terms: list, small: bool) -> dict:
-    f: dict = {f"{prefix}.nterms": len(terms)}
+def _map_fields(prefix: str, terms: list[tuple[int, int, int]], small: bool) -> dict[str, Any]:
+    f: dict[str, Any] = {f"{prefix}.nterms": len(terms)}
     f[f"{prefix}.div"] = [d for d, _, _ in terms]
     f[f"{prefix}.mod"] = [m for _, m, _ in terms]
     f[f"{prefix}.stride"] = [s for _, _, s in terms]
@@ -149,7 +154,7 @@ def _map_fields(prefix: str, terms: list, small: bool) -> dict:
     return f
 
 
-def _vector_ok(itemsize: int, ops: list, lead: tuple, n: int | None = None) -> bool:
+def _vector_ok(itemsize: int, ops: list[Operand], lead: tuple[int, ...], n: int | None = None) -> bool:
     """16-byte chunk accesses are possible for these operands (pointers 16-byte aligned):
     unit stride along the row, and every row either starting on a chunk boundary, or all
     operands sharing their leading strides (so each row is misaligned alike and only its
@@ -163,12 +168,12 @@ def _vector_ok(itemsize: int, ops: list, lead: tuple, n: int | None = None) -> b
     )
 
 
-def rows_aligned(ops: list, lead: tuple, n: int) -> bool:
+def rows_aligned(ops: list[Operand], lead: tuple[int, ...], n: int) -> bool:
     """Every row of every operand starts a whole number of n-element chunks after the first."""
     return all(size == 1 or st % n == 0 for op in ops for size, st in zip(lead, op.strides[:-1]))
 
 
-def span(shape: tuple, strides: tuple) -> int:
+def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     """Elements from an array's first element to one past its last (strides >= 0)."""
     if any(n == 0 for n in shape):
         return 0
@@ -190,7 +195,7 @@ class Prepared:
 
     __slots__ = ("dev", "kernel", "grid", "block", "params", "params_addr", "plan", "nargs")
 
-    def __init__(self, dev, plan: _plan.LaunchPlan, packed: bytes, nargs: int):
+    def __init__(self, dev: Device, plan: _plan.LaunchPlan, packed: bytes, nargs: int) -> None:
         self.dev = dev
         self.plan = plan
         self.kernel = dev.kernel(plan.kernel)
@@ -200,12 +205,12 @@ class Prepared:
         self.nargs = nargs
 
 
-_cache: dict = {}
+_cache: dict[tuple[object, ...], Prepared] = {}
 _cache_lock = threading.Lock()
 _CACHE_MAX = 4096
 
 
-def _remember(key, prep: Prepared) -> Prepared:
+def _remember(key: tuple[object, ...], prep: Prepared) -> Prepared:
     with _cache_lock:
         if len(_cache) >= _CACHE_MAX:
             _cache.clear()
@@ -230,7 +235,7 @@ def check_forward(x: Operand, y: Operand, mask: Operand | None, klen: Operand | 
 
 
 def prepare_forward(
-    dev,
+    dev: Device,
     x: Operand,
     y: Operand,
     mask: Operand | None,
@@ -248,7 +253,7 @@ def prepare_forward(
 
 def forward_params(
     x: Operand, y: Operand, mask: Operand | None, klen: Operand | None, causal: bool, scale: float, aligned: bool
-) -> tuple[dict, _plan.LaunchPlan]:
+) -> tuple[dict[str, Any], _plan.LaunchPlan]:
     """The SmxFwdParams fields (by C name) and the launch plan of a forward."""
     shape = tuple(x.shape)
     lead = shape[:-1]
@@ -259,7 +264,7 @@ def forward_params(
         rows *= n
     small = rows < 2**31
     flags = F_SMALL if small else 0
-    v: dict = {"rows": rows, "sk": sk, "sx": x.strides[-1], "sy": y.strides[-1], "scale": scale}
+    v: dict[str, Any] = {"rows": rows, "sk": sk, "sx": x.strides[-1], "sy": y.strides[-1], "scale": scale}
     v["span_x"] = span(shape, x.strides)
     mx, my = row_map(lead, x.strides[:-1]), row_map(lead, y.strides[:-1])
     v.update(_map_fields("map_x", mx, small))
@@ -295,12 +300,14 @@ def forward_params(
 CHUNK_ELEMS = {2: 8, 4: 4}
 
 
-def prepare_backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> Prepared:
+def prepare_backward(dev: Device, dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> Prepared:
     values, plan = backward_params(dy, y, dx, scale, aligned)
     return Prepared(dev, plan, _params.BWD.pack(values), 4)
 
 
-def backward_params(dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> tuple[dict, _plan.LaunchPlan]:
+def backward_params(
+    dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool
+) -> tuple[dict[str, Any], _plan.LaunchPlan]:
     """The SmxBwdParams fields (by C name) and the launch plan of a backward."""
     shape = tuple(y.shape)
     lead = shape[:-1]
@@ -309,7 +316,13 @@ def backward_params(dy: Operand, y: Operand, dx: Operand, scale: float, aligned:
         rows *= n
     small = rows < 2**31
     flags = F_SMALL if small else 0
-    v: dict = {"rows": rows, "sk": shape[-1], "sdy": dy.strides[-1], "sy": y.strides[-1], "sdx": dx.strides[-1]}
+    v: dict[str, Any] = {
+        "rows": rows,
+        "sk": shape[-1],
+        "sdy": dy.strides[-1],
+        "sy": y.strides[-1],
+        "sdx": dx.strides[-1],
+    }
     v["scale"] = scale
     v["span_dy"], v["span_y"] = span(shape, dy.strides), span(shape, y.strides)
     maps = [row_map(lead, op.strides[:-1]) for op in (dy, y, dx)]
@@ -335,7 +348,7 @@ def backward_params(dy: Operand, y: Operand, dx: Operand, scale: float, aligned:
 class _ThreadArgs(threading.local):
     """Per-thread argument slots: the driver copies them at launch, so they are reused."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.slots = (ctypes.c_uint64 * 4)()
         base = ctypes.addressof(self.slots)
         self.argv5 = (ctypes.c_void_p * 5)(base, base + 8, base + 16, base + 24, None)
@@ -345,10 +358,10 @@ class _ThreadArgs(threading.local):
 
 
 _targs = _ThreadArgs()
-_streams: dict = {}
+_streams: dict[int, Any] = {}  # handle -> driver.CUstream
 
 
-def _stream_obj(handle: int):
+def _stream_obj(handle: int) -> Any:
     s = _streams.get(handle)
     if s is None:
         from cuda.bindings import driver
@@ -394,10 +407,10 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
     _launch_in_context(prep, argv_addr, stream)
 
 
-_drv = None
+_drv: Any = None  # the cuda.bindings driver module, once imported
 
 
-def _load_driver():
+def _load_driver() -> Any:
     global _drv
     from cuda.bindings import driver
 
@@ -424,7 +437,7 @@ def _launch_in_context(prep: Prepared, argv_addr: int, stream: int) -> None:
 
 
 def forward(
-    dev,
+    dev: Device,
     x: Operand,
     y: Operand,
     mask: Operand | None,
@@ -462,7 +475,9 @@ def forward(
     launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
 
 
-def backward(dev, dy: Operand, y: Operand, dx: Operand, scale: float, stream: int, ctx_ok: bool | None = None) -> None:
+def backward(
+    dev: Device, dy: Operand, y: Operand, dx: Operand, scale: float, stream: int, ctx_ok: bool | None = None
+) -> None:
     aligned = not ((dy.ptr | y.ptr | dx.ptr) & 15)
     key = ("bwd", dev.ordinal, y.dtype, y.shape, dy.strides, y.strides, dx.strides, scale, aligned)
     prep = _cache.get(key)

@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypedDict
 
 from . import _compiler
 from ._errors import DrvSoftmaxError, KernelUnavailableError, arg_value_error, check
@@ -97,22 +98,38 @@ def jit_forced() -> bool:
 # The packaged artifacts.
 
 
+class _EntryRequired(TypedDict):
+    kind: str  # "cubin" or "ptx"
+    arch: str  # sm_XY (cubin) or compute_XY (PTX)
+    sha256: str
+    lowered: dict[str, str]  # kernel name expression -> symbol
+
+
+class ManifestEntry(_EntryRequired, total=False):
+    """One file of the manifest (written by build_ptx.py).  `_entry_problem` checks kind,
+    arch, sha256, lowered and, for PTX, min_cuda before an entry is used."""
+
+    size: int
+    ptx_version: str
+    min_cuda: float  # PTX only: the oldest driver CUDA version (1000 * major + 10 * minor) that JITs it
+
+
 @dataclass
 class Artifacts:
     """The packaged artifacts, validated against the installed sources."""
 
     folder: Path
-    manifest: dict | None = None
+    manifest: dict[str, Any] | None = None
     usable: bool = False
     why_not: str = ""
-    files: dict = field(default_factory=dict)  # file name -> entry (only well-formed entries)
-    rejected: dict = field(default_factory=dict)  # file name -> why the entry is unusable
+    files: dict[str, ManifestEntry] = field(default_factory=dict)  # file name -> entry (only well-formed entries)
+    rejected: dict[str, str] = field(default_factory=dict)  # file name -> why the entry is unusable
 
-    def cubins_for(self, arch: str, name: str) -> list[tuple[str, dict, str]]:
+    def cubins_for(self, arch: str, name: str) -> list[tuple[str, ManifestEntry, str]]:
         """Cubins holding `name` that run on an `arch` device, best first:
         (file, entry, 'exact' or 'same major')."""
         _, cc, _ = _compiler.arch_parts(arch)
-        ranked = []
+        ranked: list[tuple[int, int, str, ManifestEntry, str]] = []
         for fname, e in self.files.items():
             if e["kind"] != "cubin" or name not in e["lowered"]:
                 continue
@@ -124,7 +141,7 @@ class Artifacts:
         ranked.sort(key=lambda r: r[:3])
         return [(f, e, how) for _, _, f, e, how in ranked]
 
-    def ptx_for(self, arch: str, name: str) -> list[tuple[str, dict]]:
+    def ptx_for(self, arch: str, name: str) -> list[tuple[str, ManifestEntry]]:
         """PTX holding `name` that an `arch` device can JIT (compute_XY, XY <= cc), newest first."""
         _, cc, _ = _compiler.arch_parts(arch)
         out = []
@@ -161,7 +178,7 @@ def _entry_problem(fname: object, e: object) -> str | None:
     if kind not in ("cubin", "ptx"):
         return f"kind is {kind!r}, not 'cubin' or 'ptx'"
     try:
-        akind, _, _ = _compiler.arch_parts(e.get("arch"))  # type: ignore[arg-type]
+        akind, _, _ = _compiler.arch_parts(e.get("arch"))
     except (DrvSoftmaxError, AttributeError):
         return f"arch {e.get('arch')!r} is not sm_XY or compute_XY"
     if (akind == "sm") != (kind == "cubin"):
@@ -236,7 +253,7 @@ def _read_plain_file(path: Path) -> bytes | None:
     return None if got is None else got[0]
 
 
-_verified: dict[tuple, str | None] = {}
+_verified: dict[tuple[str, int, int, str], str | None] = {}
 
 
 def file_problem(art: Artifacts, fname: str) -> str | None:
@@ -275,7 +292,7 @@ _lib_lock = threading.Lock()
 _libraries: dict[str, object] = {}
 
 
-def _load_library(key: str, image: bytes):
+def _load_library(key: str, image: bytes) -> object:
     from cuda.bindings import driver
 
     with _lib_lock:
@@ -288,13 +305,13 @@ def _load_library(key: str, image: bytes):
         return lib
 
 
-def _get_kernel(lib, lowered: str):
+def _get_kernel(lib: object, lowered: str) -> Any:
     from cuda.bindings import driver
 
     return check(driver.cuLibraryGetKernel(lib, lowered.encode()), "cuLibraryGetKernel")
 
 
-def ptx_allowed(entry: dict, driver_version: int) -> bool:
+def ptx_allowed(entry: ManifestEntry, driver_version: int) -> bool:
     return float(entry.get("min_cuda", 1 << 30)) <= driver_version
 
 
@@ -309,14 +326,14 @@ class Step:
     source: str  # "packaged cubin", "cached cubin", "packaged PTX", "NVRTC", or "" for a note
     detail: str  # the file, or the reason
     fname: str = ""
-    entry: dict | None = None
+    entry: ManifestEntry | None = None
     image: _compiler.CompiledImage | None = None  # a cached run-time cubin, already read and verified
 
     def __str__(self) -> str:
         return f"{self.source} {self.detail}".strip()
 
 
-def _cache_hit(arch: str, name: str):
+def _cache_hit(arch: str, name: str) -> _compiler.CompiledImage | None:
     try:
         return _compiler.cache_lookup(arch, [name])
     except Exception as e:  # no NVRTC to name the entry: no cached entry either
@@ -375,7 +392,7 @@ def _steps(name: str, arch: str, driver_version: int | None) -> Iterator[Step]:
         yield Step("NVRTC", f"{_compiler.nvrtc_version_str()} cubin for {arch}")
 
 
-def find_kernel(name: str, arch: str, driver_version: int):
+def find_kernel(name: str, arch: str, driver_version: int) -> tuple[Any, str]:
     """(CUkernel, origin) for kernel `name` on an `arch` device, walking the chain."""
     tried: list[str] = []
     for step in _steps(name, arch, driver_version):
@@ -459,7 +476,7 @@ def _summary_label(steps: Iterator[Step]) -> tuple[int, str]:
     return 4, "nothing (" + "; ".join(notes) + ")"
 
 
-def _cuda_str(v) -> str:
+def _cuda_str(v: Any) -> str:
     try:
         v = int(v)
     except (TypeError, ValueError, OverflowError):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 MAXT = 6  # terms per row map: x's leading dims merge into at most this many
 
@@ -97,9 +98,9 @@ BWD_FIELDS = (
 )
 
 
-def _flat(fields) -> list[tuple[str, Field]]:
+def _flat(fields: tuple[Field, ...]) -> list[tuple[str, Field]]:
     """(C path, field) of every scalar array, row maps expanded."""
-    out = []
+    out: list[tuple[str, Field]] = []
     for f in fields:
         if f.ctype == "map":
             out += [(f"{f.name}.{g.name}", g) for g in ROW_MAP]
@@ -129,9 +130,9 @@ class Layout:
             raise RuntimeError(f"{cname}: size {off} is not a multiple of 8")
         self.size = off
 
-    def pack(self, values: dict) -> bytes:
+    def pack(self, values: dict[str, Any]) -> bytes:
         """Pack {C path: value or list}; row-map arrays shorter than MAXT are padded."""
-        args: list = []
+        args: list[float] = []
         for path, g in self.flat:
             if g.count == 1:
                 args.append(values.get(path, 0))
@@ -140,7 +141,7 @@ class Layout:
                 args += v + [0] * (g.count - len(v))
         return self.struct.pack(*args)
 
-    def unpack(self, data: bytes) -> dict:
+    def unpack(self, data: bytes) -> dict[str, Any]:
         vals = self.struct.unpack(data)
         out, i = {}, 0
         for path, g in self.flat:
@@ -154,7 +155,7 @@ BWD = Layout("SmxBwdParams", BWD_FIELDS)
 MAP = Layout("SmxRowMap", ROW_MAP)
 
 
-def _c_struct(name: str, fields) -> list[str]:
+def _c_struct(name: str, fields: tuple[Field, ...]) -> list[str]:
     lines = [f"typedef struct {name} {{"]
     for f in fields:
         decl = "SmxRowMap" if f.ctype == "map" else _CTYPE[f.ctype]

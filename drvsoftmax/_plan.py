@@ -56,7 +56,7 @@ BWD_TABLE = FWD_TABLE  # dy and y: twice the loads in flight, the values are not
 FP32_ONLY_NCH = 16
 
 
-def _configs(table, itemsize: int) -> list[tuple[int, int, int, str]]:
+def _configs(table: tuple[tuple[int, int, int, str], ...], itemsize: int) -> list[tuple[int, int, int, str]]:
     return [row for row in table if row[1] != FP32_ONLY_NCH or itemsize == 4]
 
 
@@ -146,7 +146,9 @@ def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
     return _ceil_div(sk + (0 if aligned_rows else n - 1), n)
 
 
-def choose_shape(rows: int, sk: int, itemsize: int, backward: bool = False, aligned_rows: bool = True):
+def choose_shape(
+    rows: int, sk: int, itemsize: int, backward: bool = False, aligned_rows: bool = True
+) -> tuple[str, int, int, int, int, int, str]:
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements."""
     chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
     table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize)
