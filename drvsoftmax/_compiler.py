@@ -157,8 +157,10 @@ class CompiledImage:
     log: str
 
 
-def compile_kernels(arch: str, names: list[str] | None = None) -> CompiledImage:
-    """Compile every kernel (or `names`) for `arch`: a cubin for sm_XY, PTX for compute_XY."""
+def compile_kernels(arch: str, names: list[str] | None = None, extra_options: tuple[str, ...] = ()) -> CompiledImage:
+    """Compile every kernel (or `names`) for `arch`: a cubin for sm_XY, PTX for compute_XY.
+    `extra_options` (for checks such as ptxas's resource report) are not part of any cache key.
+    """
     nvrtc = _nvrtc()
     kind, _ = parse_arch(arch)
     names = list(names) if names is not None else all_kernel_names()
@@ -189,7 +191,7 @@ def compile_kernels(arch: str, names: list[str] | None = None) -> CompiledImage:
     try:
         for n in names:
             ok(nvrtc.nvrtcAddNameExpression(prog, n.encode()), "nvrtcAddNameExpression")
-        opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in BASE_OPTIONS]
+        opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in BASE_OPTIONS + extra_options]
         t0 = time.perf_counter()
         ok(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
         log.info("NVRTC %s compiled %d kernel(s) for %s in %.2f s", ver, len(names), arch, time.perf_counter() - t0)

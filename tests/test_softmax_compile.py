@@ -11,6 +11,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import struct
 
 import pytest
@@ -44,6 +45,21 @@ def _check_cubin(img, arch, names):
     assert img.nvrtc == _compiler.nvrtc_version_str()
 
 
+RESOURCE_REPORT = ("--ptxas-options=-v",)
+
+
+def _check_no_spills(img, arch):
+    """ptxas's report of every function: no stack frame and no spills (an array or the
+    kernel parameters sent to local memory show up as a stack frame)."""
+    props = re.findall(
+        r"Function properties for (\S+)\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+        img.log,
+    )
+    assert {sym for sym, *_ in props} >= set(img.lowered.values()), f"{arch}: no resource report for some kernels"
+    bad = [(sym, frame, st, ld) for sym, frame, st, ld in props if (frame, st, ld) != ("0", "0", "0")]
+    assert not bad, f"{arch}: kernels with local memory (symbol, stack frame, spill stores, spill loads): {bad}"
+
+
 def test_every_kernel_compiles_for_every_architecture():
     _nvrtc_or_skip()
     names = _plan.all_kernel_names()
@@ -53,10 +69,15 @@ def test_every_kernel_compiles_for_every_architecture():
     ctx = multiprocessing.get_context("spawn")
     workers = max(2, min(len(_compiler.ARCHS), os.cpu_count() or 2))
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {arch: pool.submit(_compiler.compile_kernels, arch) for arch in jobs}
+        # Cubins with ptxas's resource report: every kernel is checked for spills below.
+        futures = {
+            arch: pool.submit(_compiler.compile_kernels, arch, None, RESOURCE_REPORT if arch.startswith("sm_") else ())
+            for arch in jobs
+        }
         results = {arch: f.result(timeout=600) for arch, f in futures.items()}
     for arch in _compiler.ARCHS:
         _check_cubin(results[arch], arch, names)
+        _check_no_spills(results[arch], arch)
     ptx = results["compute_75"]
     assert ptx.arch == "compute_75"
     assert ptx.image.endswith(b"\0"), "PTX handed to the driver must be NUL-terminated"
@@ -234,3 +255,16 @@ def test_unwritable_cache_costs_only_a_compile(tmp_path, monkeypatch):
         img, hit = _compiler.cached_compile("sm_75", names)
         assert hit is False and img.image.startswith(ELF_MAGIC)
     assert len(calls) == 2
+
+
+def test_the_spill_check_has_teeth():
+    from types import SimpleNamespace
+
+    entry = "ptxas info    : Function properties for _Zk\nptxas         .     {} bytes stack frame, {} bytes spill stores, {} bytes spill loads\n"
+    clean = SimpleNamespace(log=entry.format(0, 0, 0), lowered={"k": "_Zk"})
+    _check_no_spills(clean, "sm_90")
+    for bad in [(8, 0, 0), (0, 4, 4)]:
+        with pytest.raises(AssertionError, match="local memory"):
+            _check_no_spills(SimpleNamespace(log=entry.format(*bad), lowered={"k": "_Zk"}), "sm_90")
+    with pytest.raises(AssertionError, match="no resource report"):
+        _check_no_spills(SimpleNamespace(log="", lowered={"k": "_Zk"}), "sm_90")
