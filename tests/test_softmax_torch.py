@@ -228,6 +228,10 @@ def test_long_producer_on_same_stream_needs_no_host_sync():
     s = torch.cuda.Stream()
     x = torch.empty((8, 16, 128, 512), device="cuda", dtype=torch.float16)
     src = _fresh(x.shape)
+    # Load both kernels first: a first call may read them from disk, which can take longer
+    # than the producer below runs (that is loading, not a host sync).
+    drvsoftmax.scaled_masked_softmax_backward(src, drvsoftmax.scaled_masked_softmax(src, scale=0.5), scale=1.0)
+    torch.cuda.synchronize()
     with torch.cuda.stream(s):
         torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the data exists
         x.copy_(src)
