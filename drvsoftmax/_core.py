@@ -39,21 +39,6 @@ MASK_KIND_OF_DTYPE = {
     "float32": "add_float32",
     "float64": "add_float64",
 }
-MASK_ITEMSIZE = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-}
 KLEN_DTYPES = ("int32", "int64")
 
 
@@ -180,12 +165,6 @@ def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     return 1 + sum((n - 1) * abs(s) for n, s in zip(shape, strides))
 
 
-def mask_alignment(mask_dtype: str, x_dtype: str) -> int:
-    """Byte alignment a mask row needs for one access per chunk (min(chunk bytes, 16))."""
-    n = 16 // _plan.X_DTYPES[x_dtype][1]
-    return min(16, n * MASK_ITEMSIZE[mask_dtype])
-
-
 # ----------------------------------------------------------------------------------
 # Prepared launches.
 
@@ -243,10 +222,8 @@ def prepare_forward(
     causal: bool,
     scale: float,
     aligned: bool,
-    mask_aligned: bool = False,
 ) -> Prepared:
-    """`aligned`: x and y are 16-byte aligned.  (`mask_aligned` is not needed any more:
-    the kernels check each mask row's alignment themselves; kept for callers.)"""
+    """`aligned`: x and y are 16-byte aligned (the kernels check each mask row's own alignment)."""
     values, plan = forward_params(x, y, mask, klen, causal, scale, aligned)
     return Prepared(dev, plan, _params.FWD.pack(values), 5)
 
@@ -449,12 +426,6 @@ def forward(
 ) -> None:
     """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
     aligned = not ((x.ptr | y.ptr) & 15)
-    maligned = (
-        mask is not None
-        and x.dtype in _plan.X_DTYPES
-        and mask.dtype in MASK_ITEMSIZE
-        and not mask.ptr % mask_alignment(mask.dtype, x.dtype)
-    )
     key = (
         dev.ordinal,
         x.dtype,
@@ -466,12 +437,11 @@ def forward(
         causal,
         scale,
         aligned,
-        maligned,
     )
     prep = _cache.get(key)
     if prep is None:
         check_forward(x, y, mask, klen, causal)
-        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned, maligned))
+        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned))
     launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
 
 

@@ -342,7 +342,6 @@ def _prepare_forward(
     out: Any,
     dev: int,
     aligned: bool,
-    maligned: bool,
 ) -> tuple[Any, _OutSpans | None]:
     scale, causal = _check_common(x, mask, scale, causal, key_lengths, out, True)
     spans = None if out is None else _OutSpans(x, out, mask, key_lengths)
@@ -358,7 +357,7 @@ def _prepare_forward(
         if key_lengths.dtype not in _KL_DIRECT:
             ko = _core.Operand(0, "int64", ko.shape, (1,))
     _core.check_forward(xo, yo, mo, ko, causal)
-    return _core.prepare_forward(device, xo, yo, mo, ko, causal, scale, aligned, maligned), spans
+    return _core.prepare_forward(device, xo, yo, mo, ko, causal, scale, aligned), spans
 
 
 def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Tensor:
@@ -374,7 +373,6 @@ def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: An
         else:  # (a non-tensor out is refused by the checks below, before any launch)
             aligned = not ((xp | (out.data_ptr() if isinstance(out, Tensor) else 0)) & 15)
             okey = _meta(out)
-        # The mask's pointer modulo 16 decides whether its rows can be read a chunk at a time.
         mp = mask.data_ptr() if isinstance(mask, Tensor) else 0
         key = (
             x.dtype,
@@ -389,21 +387,13 @@ def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: An
             _meta(mask),
             _meta(key_lengths),
             okey,
-            mp & 15,
         )
     except (RuntimeError, NotImplementedError):  # tensors without strides or storage (sparse, nested)
         _check_common(x, mask, scale, causal, key_lengths, out, True)
         raise
     entry = _prepared.get(key)
     if entry is None:
-        maligned = (
-            mask is not None
-            and isinstance(mask, Tensor)
-            and _dtname(mask) in _core.MASK_ITEMSIZE
-            and _dtname(x) in _args.X_DTYPES_GPU
-            and not mp % _core.mask_alignment(_dtname(mask), _dtname(x))
-        )
-        entry = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned, maligned))
+        entry = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned))
     prep, spans = entry
     # empty_like keeps x's layout when x is dense (else contiguous): a function of x's
     # shape and strides, so the prepared launch (which knows y's strides) stays valid.
