@@ -1,4 +1,4 @@
-"""drvsoftmax.h, the C interface of the packaged kernels, on the CPU.
+"""drvsoftmax.h, the manifest's symbols table and examples/c: the packaged kernels for C.
 
 * The header in the tree is what `_capi.c_api_header()` writes, and build_ptx.py puts the
   same text beside the cubins.
@@ -8,14 +8,23 @@
   `_core.forward_params`/`backward_params` byte for byte over many random layouts (a C
   harness, tests/capi_harness.c, built with `cc`), and a header with a planner table or a
   magic-number rule off by one disagrees.
+* The manifest of installed artifacts gives every packaged kernel's symbol and signature.
+* examples/c/main.c compiles against the real cuda.h where it is present, and runs on the CPU
+  against a stand-in driver library (tests/fake_cuda) on real build_ptx.py artifacts: exact,
+  same-major and PTX files, a kernel that ignores the mask fails its check, missing kernels
+  are named.
+* GPU (skipped without one, cc or cuda.h): main.c built with the system compiler against
+  cuda.h and libcuda, run on the packaged cubins (built here when none serves the device).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -301,6 +310,26 @@ def test_a_header_that_drifts_from_python_is_caught(tmp_path, good, bad):
     assert disagree, f"a header with {bad!r} for {good!r} went unnoticed"
 
 
+# ----------------------------------------------------------------------------------
+# The example program compiles against the real driver header.
+
+CUDA_HOME = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+
+
+@needs_cc
+@pytest.mark.skipif(not (CUDA_HOME / "include" / "cuda.h").is_file(), reason=f"needs {CUDA_HOME}/include/cuda.h")
+@pytest.mark.parametrize("std", ["c99", "c11"])
+def test_the_c_example_compiles(tmp_path, std):
+    src = ROOT / "examples" / "c" / "main.c"
+    cmd = [CC, f"-std={std}", "-Wall", "-Wextra", "-Werror", "-O2", f"-I{_capi.header_path().parent}"]
+    cmd += [f"-I{CUDA_HOME / 'include'}", "-c", str(src), "-o", str(tmp_path / "main.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    # No runtime API: the driver API alone.
+    text = src.read_text()
+    assert not re.search(r"\bcuda[A-Z]\w*\(", text) and "cuda_runtime" not in text
+
+
 def test_the_installed_artifacts_list_every_packaged_kernel_for_c_programs():
     """Where the package carries prebuilt kernels (a wheel), its manifest gives every packaged
     kernel's symbol and signature, and the header beside it is the package's."""
@@ -315,3 +344,176 @@ def test_the_installed_artifacts_list_every_packaged_kernel_for_c_programs():
         if sym[n]["cubins"] or sym[n]["ptx"]:
             assert sym[n]["symbol"] == next(e["lowered"][n] for e in art.files.values() if n in e["lowered"])
     assert (art.folder / art.manifest["header"]).read_text() == _capi.c_api_header()
+
+
+# ----------------------------------------------------------------------------------
+# examples/c/main.c run on the CPU against a stand-in driver library (tests/fake_cuda:
+# the driver API's declarations, and a libcuda that runs the forward kernel's contract on
+# the host from the kernel's symbol and its SmxFwdParams), on real artifacts of build_ptx.py.
+
+EXAMPLE_CASES = [  # (dtype, shape): a row misaligned to 16 bytes; fp32 mid-length; bf16 wide rows
+    ("float16", (2, 3, 37, 203)),
+    ("float32", (2, 4, 64, 1000)),
+    ("bfloat16", (1, 2, 3, 4097)),
+]
+
+_ARCH = "from cuda.bindings import driver as d; d.cuInit(0); A = d.CUdevice_attribute; dev = d.cuDeviceGet(0)[1]; "
+_ARCH += "print(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)[1] * 10 + "
+_ARCH += "d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)[1])"
+
+
+def _example_kernel(dtype: str, shape: tuple[int, ...], mask: bool = True) -> str:
+    """The kernel examples/c/main.c picks: contiguous x, a bool mask [B, 1, Sq, Sk], aligned."""
+    B, H, Sq, Sk = shape
+    x = _core.Operand(0, dtype, shape, (H * Sq * Sk, Sq * Sk, Sk, 1))
+    m = _core.Operand(0, "bool", (B, 1, Sq, Sk), (Sq * Sk, Sq * Sk, Sk, 1)) if mask else None
+    return _core.forward_params(x, x, m, None, False, 1.0, True)[1].kernel
+
+
+FAKE = Path(__file__).resolve().parent / "fake_cuda"
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """(folder with libcuda.so and softmax_demo, artifacts folder: sm_80 cubins + compute_75 PTX)."""
+    if CC is None:
+        pytest.skip("needs a C compiler (cc)")
+    tmp = tmp_path_factory.mktemp("stand_in")
+    inc = [f"-I{FAKE}", f"-I{_capi.header_path().parent}"]
+    lib = [CC, "-O2", "-std=c11", "-Wall", "-Werror", "-shared", "-fPIC", *inc, str(FAKE / "libcuda.c")]
+    subprocess.run([*lib, "-o", str(tmp / "libcuda.so"), "-lm"], check=True)
+    exe = [CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", *inc, str(ROOT / "examples" / "c" / "main.c")]
+    subprocess.run([*exe, "-o", str(tmp / "softmax_demo"), f"-L{tmp}", "-lcuda"], check=True)
+    names = sorted({_example_kernel(dt, shape) for dt, shape in EXAMPLE_CASES})
+    names.append(_example_kernel(*EXAMPLE_CASES[0], mask=False))
+    cmd = [
+        sys.executable,
+        str(ROOT / "build_ptx.py"),
+        "--arch",
+        "sm_80",
+        "--ptx",
+        "compute_75",
+        "--out",
+        str(tmp / "a"),
+    ]
+    subprocess.run([*cmd, "--kernels", *names], check=True, capture_output=True, timeout=600)
+    return tmp, tmp / "a"
+
+
+def _demo(stand_in, cc: int, *args: str) -> subprocess.CompletedProcess:
+    tmp, _ = stand_in
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp), FAKE_CUDA_CC=str(cc))
+    return subprocess.run([str(tmp / "softmax_demo"), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("cc,source", [(80, "drvsoftmax_sm_80_000.cubin"), (86, "drvsoftmax_sm_80_000.cubin")])
+@pytest.mark.parametrize("dtype,shape", EXAMPLE_CASES)
+def test_the_c_example_on_a_stand_in_driver(stand_in, dtype, shape, cc, source):
+    """Exact and same-major cubins; the header's kernel choice is Python's."""
+    r = _demo(stand_in, cc, "--dtype", dtype, "--shape", *map(str, shape), str(stand_in[1]))
+    assert r.returncode == 0 and "PASS" in r.stdout, (r.stdout, r.stderr)
+    assert f"kernel {_example_kernel(dtype, shape)}:" in r.stdout and f"/{source} (device sm_{cc})" in r.stdout
+
+
+def test_the_c_example_takes_ptx_checks_its_result_and_names_missing_kernels(stand_in):
+    tmp, art = stand_in
+    r = _demo(stand_in, 75, str(art))  # no sm_7x cubin: the compute_75 PTX
+    assert r.returncode == 0 and "PASS" in r.stdout and ".ptx (device sm_75)" in r.stdout, (r.stdout, r.stderr)
+    # A kernel that ignores the mask must fail the program's check.
+    import json
+
+    wrong = json.loads((art / "manifest.json").read_text())["symbols"][_example_kernel(*EXAMPLE_CASES[0], mask=False)]
+    r = _demo(stand_in, 80, "--cubin", str(art / wrong["cubins"]["sm_80"]), "--symbol", wrong["symbol"])
+    assert r.returncode == 1 and "FAIL" in r.stdout, (r.stdout, r.stderr)
+    # A symbol the file does not hold is the driver's error.
+    r = _demo(stand_in, 80, "--cubin", str(art / wrong["cubins"]["sm_80"]), "--symbol", wrong["symbol"] + "x")
+    assert r.returncode == 2 and "cuLibraryGetKernel" in r.stderr and "CUDA_ERROR_NOT_FOUND" in r.stderr
+    # A kernel the artifacts lack (rows past the register tier): named, with how to build it.
+    r = _demo(stand_in, 80, "--shape", "1", "1", "2", "20000", str(art))
+    assert r.returncode == 2 and _example_kernel("float16", (1, 1, 2, 20000)) in r.stderr, r.stderr
+    # An architecture of another major with no PTX old enough: the build command to run.
+    r = _demo(stand_in, 70, str(art))
+    assert r.returncode == 2 and "build_ptx.py --arch sm_70" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------------
+# GPU: examples/c built with the system compiler against cuda.h and libcuda, run on the
+# packaged cubins (or, where the installed package has none for this GPU, on the few
+# kernels it needs, built here by build_ptx.py with NVRTC).
+
+
+def _device_cc() -> int:
+    r = subprocess.run([sys.executable, "-c", _ARCH], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.strip())
+
+
+def _artifacts_for(cc: int, names: list[str], tmp_path: Path) -> Path:
+    """The installed package's artifact folder if it holds a cubin of every kernel in `names`
+    for this device (same major, minor at most the device's), else a folder built now."""
+    from drvsoftmax import _loader
+
+    art = _loader.artifacts()
+    if art.usable and art.manifest is not None and "symbols" in art.manifest:
+        sym = art.manifest["symbols"]
+
+        def serves(n: str) -> bool:
+            archs = [int(a[3:]) for a in sym.get(n, {}).get("cubins", {}) if a[3:].isdigit()]
+            return any(a // 10 == cc // 10 and a <= cc for a in archs)
+
+        if all(serves(n) for n in names):
+            return art.folder
+    out = tmp_path / "prebuilt"
+    cmd = [sys.executable, str(ROOT / "build_ptx.py"), "--arch", f"sm_{cc}", "--ptx", "--out", str(out)]
+    subprocess.run([*cmd, "--kernels", *names], check=True, capture_output=True, text=True, timeout=600)
+    return out
+
+
+def _link_options() -> list[list[str]]:
+    """Ways to link libcuda, tried in order: the toolkit's stub library (the driver's
+    libcuda.so.1 is what loads at run time), the linker's own search, the driver's file."""
+    import ctypes.util
+
+    opts = [
+        ["-L" + str(d), "-lcuda"] for d in (CUDA_HOME / "lib64" / "stubs", CUDA_HOME / "lib" / "stubs") if d.is_dir()
+    ]
+    opts.append(["-lcuda"])
+    found = ctypes.util.find_library("cuda")
+    if found:
+        opts.append([found if os.path.isabs(found) else "-l:" + found])
+    return opts
+
+
+@pytest.mark.gpu
+@needs_cc
+@pytest.mark.skipif(not (CUDA_HOME / "include" / "cuda.h").is_file(), reason=f"needs {CUDA_HOME}/include/cuda.h")
+def test_the_c_example_runs_a_masked_forward_on_the_gpu(tmp_path):
+    cc = _device_cc()
+    names = sorted({_example_kernel(dt, shape) for dt, shape in EXAMPLE_CASES})
+    wrong = _example_kernel(*EXAMPLE_CASES[0], mask=False)  # the same shape without the mask
+    folder = _artifacts_for(cc, [*names, wrong], tmp_path)
+    exe = tmp_path / "softmax_demo"
+    base = [CC, "-O2", "-std=c11", "-Wall", "-Werror", f"-I{_capi.header_path().parent}", f"-I{CUDA_HOME / 'include'}"]
+    base += [str(ROOT / "examples" / "c" / "main.c"), "-o", str(exe)]
+    tried = []
+    for link in _link_options():
+        r = subprocess.run(base + link, capture_output=True, text=True)
+        tried.append(f"{' '.join(link)}: {r.stderr.strip()[-300:]}")
+        if r.returncode == 0:
+            break
+    else:
+        pytest.fail("examples/c/main.c does not build:\n" + "\n".join(tried))
+    for dt, shape in EXAMPLE_CASES:
+        args = [str(exe), "--dtype", dt, "--shape", *map(str, shape), "--scale", "0.35", str(folder)]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "PASS" in r.stdout, (args, r.stdout, r.stderr)
+        assert _example_kernel(dt, shape) in r.stdout  # the header chose what Python chooses
+    # The checker has teeth: the kernel of the same shape that ignores the mask must FAIL.
+    import json
+
+    sym = json.loads((folder / "manifest.json").read_text())["symbols"][wrong]
+    cubin = next(f for a, f in sorted(sym["cubins"].items()) if int(a[3:]) // 10 == cc // 10 and int(a[3:]) <= cc)
+    dt, shape = EXAMPLE_CASES[0]
+    args = [str(exe), "--dtype", dt, "--shape", *map(str, shape), "--cubin", str(folder / cubin)]
+    r = subprocess.run([*args, "--symbol", sym["symbol"]], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "FAIL" in r.stdout, (r.stdout, r.stderr)
