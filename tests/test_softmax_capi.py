@@ -477,7 +477,7 @@ def _link_options() -> list[list[str]]:
     opts = [
         ["-L" + str(d), "-lcuda"] for d in (CUDA_HOME / "lib64" / "stubs", CUDA_HOME / "lib" / "stubs") if d.is_dir()
     ]
-    opts.append(["-lcuda"])
+    opts += [["-lcuda"], ["-l:libcuda.so.1"]]
     found = ctypes.util.find_library("cuda")
     if found:
         opts.append([found if os.path.isabs(found) else "-l:" + found])
