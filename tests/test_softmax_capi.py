@@ -338,6 +338,7 @@ def test_the_installed_artifacts_list_every_packaged_kernel_for_c_programs():
     art = _loader.artifacts()
     if not art.usable or art.manifest is None:
         pytest.skip(f"no packaged artifacts here: {art.why_not}")
+    assert "symbols" in art.manifest, f"{art.folder} was built by an older build_ptx.py: rebuild it"
     sym = art.manifest["symbols"]
     for n in _plan.packaged_kernel_names():
         assert sym[n]["params"] == _params.kernel_signature(n)
