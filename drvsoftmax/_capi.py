@@ -115,7 +115,7 @@ _PROLOGUE = """\
 //      parameter signature and the files holding it ("symbols": {name: {"symbol", "params",
 //      "cubins": {"sm_XY": file}, "ptx": {"compute_XY": file}}}).  A cubin for sm_XY runs on
 //      sm_XZ with Z >= Y of the same major.  The packaged kernels are listed below
-//      (smx_packaged_kernel); others compile with NVRTC from drvsoftmax's cuda_src.
+//      (smx_packaged_kernel); build_ptx.py --kernels builds any other with NVRTC.
 //   3. cuLibraryLoadFromFile(file) -> cuLibraryGetKernel(symbol) -> cuKernelGetFunction ->
 //      cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, args, NULL) with
 //      args = {&x, &y, &mask, &key_lengths, &params} forward ({&dy, &y, &dx, &params}
@@ -567,7 +567,7 @@ def c_api_header() -> str:
     out += [
         "",
         "// The kernels the wheel's cubins hold (register tier; none, bool/8-bit and x-dtype additive",
-        "// masks).  Other kernels compile at run time from the Python package.",
+        "// masks).  For any other kernel: `python build_ptx.py --arch sm_XY --kernels NAME --out DIR`.",
         f"#define SMX_NUM_PACKAGED_KERNELS {len(names)}",
         "static inline const char* smx_packaged_kernel(int i) {",
         "  static const char* const k[SMX_NUM_PACKAGED_KERNELS] = {",

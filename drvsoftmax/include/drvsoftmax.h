@@ -15,7 +15,7 @@
 //      parameter signature and the files holding it ("symbols": {name: {"symbol", "params",
 //      "cubins": {"sm_XY": file}, "ptx": {"compute_XY": file}}}).  A cubin for sm_XY runs on
 //      sm_XZ with Z >= Y of the same major.  The packaged kernels are listed below
-//      (smx_packaged_kernel); others compile with NVRTC from drvsoftmax's cuda_src.
+//      (smx_packaged_kernel); build_ptx.py --kernels builds any other with NVRTC.
 //   3. cuLibraryLoadFromFile(file) -> cuLibraryGetKernel(symbol) -> cuKernelGetFunction ->
 //      cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, args, NULL) with
 //      args = {&x, &y, &mask, &key_lengths, &params} forward ({&dy, &y, &dx, &params}
@@ -327,7 +327,7 @@ static inline int smx_kernel_name_bwd_loop(char* buf, size_t cap, int dtype, int
 }
 
 // The kernels the wheel's cubins hold (register tier; none, bool/8-bit and x-dtype additive
-// masks).  Other kernels compile at run time from the Python package.
+// masks).  For any other kernel: `python build_ptx.py --arch sm_XY --kernels NAME --out DIR`.
 #define SMX_NUM_PACKAGED_KERNELS 28
 static inline const char* smx_packaged_kernel(int i) {
   static const char* const k[SMX_NUM_PACKAGED_KERNELS] = {
