@@ -494,7 +494,8 @@ def test_the_c_example_runs_a_masked_forward_on_the_gpu(tmp_path):
     wrong = _example_kernel(*EXAMPLE_CASES[0], mask=False)  # the same shape without the mask
     folder = _artifacts_for(cc, [*names, wrong], tmp_path)
     exe = tmp_path / "softmax_demo"
-    base = [CC, "-O2", "-std=c11", "-Wall", "-Werror", f"-I{_capi.header_path().parent}", f"-I{CUDA_HOME / 'include'}"]
+    # No -Werror here: warnings are the CPU tests' business; this one runs the program.
+    base = [CC, "-O2", "-std=c11", "-Wall", f"-I{_capi.header_path().parent}", f"-I{CUDA_HOME / 'include'}"]
     base += [str(ROOT / "examples" / "c" / "main.c"), "-o", str(exe)]
     tried = []
     for link in _link_options():
