@@ -20,7 +20,9 @@ typedef unsigned long long smx_u64;
 
 #define SMX_INF (__int_as_float(0x7f800000))
 #define SMX_LOG2E 1.4426950408889634f
-#define SMX_BLOCK 256  // the largest block any kernel is launched with
+// The largest block a register-tier kernel is launched with (a row of 512 threads); as
+// launch bounds it caps registers at 128 per thread.
+#define SMX_BLOCK 512
 
 // Storage types.  Distinct structs so that templates can tell fp16 from bf16.
 struct smx_f16 { smx_u16 bits; };

@@ -181,10 +181,12 @@ def explain(
         return f"no kernel: x of shape {shape} is empty (the result is returned without a launch)"
     itemsize = _plan.X_DTYPES[dt][1]
     contig = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
-    vec = _core._vector_ok(itemsize, [_core.Operand(0, dt, shape, contig)], shape[:-1])
+    ops = [_core.Operand(0, dt, shape, contig)]
+    vec = _core._vector_ok(itemsize, ops, shape[:-1])
+    ra = _core.rows_aligned(ops, shape[:-1], _core.CHUNK_ELEMS[itemsize])
     if backward:
-        return _plan.plan_backward(rows, shape[-1], dt, vec).describe()
-    return _plan.plan_forward(rows, shape[-1], dt, kind, vec).describe()
+        return _plan.plan_backward(rows, shape[-1], dt, vec, ra).describe()
+    return _plan.plan_forward(rows, shape[-1], dt, kind, vec, ra).describe()
 
 
 # ----------------------------------------------------------------------------------
