@@ -162,7 +162,7 @@ __device__ __forceinline__ void smx_row_sum(float (&v)[RPT], int tpr, float (*re
   }
   __syncthreads();
   const int wpr = tpr >> 5;
-  const int first = warp & ~(wpr - 1);
+  const int first = tpr == (int)blockDim.x ? 0 : warp & ~(wpr - 1);  // the row's first warp
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     float t = red[r][first];
@@ -178,11 +178,9 @@ __global__ void __launch_bounds__(SMX_BLOCK)
 smx_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
   enum { N = Chunk<T>::N };
   __shared__ float red[RPT][SMX_BLOCK / 32];
-  const int tl = p.tpr_log2;
-  const int tpr = 1 << tl;
-  const int lane = threadIdx.x & (tpr - 1);
-  const int rpb = blockDim.x >> tl;
-  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + (threadIdx.x >> tl);
+  smx_rows_of_block rb(p.tpr_log2);
+  const int tpr = rb.tpr, lane = rb.lane, rpb = rb.rpb;
+  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + rb.first_row;
   BwdRow<T> rw[RPT];
 #pragma unroll
   for (int r = 0; r < RPT; ++r) rw[r] = smx_bwd_row<T, AL>(dy, y, dx, p, row0 + (smx_i64)r * rpb);

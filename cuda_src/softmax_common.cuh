@@ -230,6 +230,28 @@ __device__ __forceinline__ void smx_scatter(void* row, smx_i64 st, const smx_u32
 }
 
 // ---------------------------------------------------------------------------------
+// Which rows of a block a thread works on.  Threads per row tpr = 2^tpr_log2, rows of the
+// block side by side; where 2^tpr_log2 exceeds the block, the block is one row of
+// blockDim.x threads (a multiple of 32 that need not be a power of two: rows of 65 to 512
+// threads then waste no more than one warp's share).
+struct smx_rows_of_block {
+  int tpr, lane, rpb, first_row;
+  __device__ __forceinline__ explicit smx_rows_of_block(int tl) {
+    if ((1 << tl) >= (int)blockDim.x) {
+      tpr = blockDim.x;
+      lane = threadIdx.x;
+      rpb = 1;
+      first_row = 0;
+    } else {
+      tpr = 1 << tl;
+      lane = threadIdx.x & (tpr - 1);
+      rpb = blockDim.x >> tl;
+      first_row = threadIdx.x >> tl;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------
 // Reductions over the threads of a row.  Rows of up to 32 threads live in one warp
 // (lanes aligned to the row width); wider rows span whole warps and finish with one
 // exchange through shared memory.

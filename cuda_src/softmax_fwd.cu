@@ -243,7 +243,7 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   }
   __syncthreads();
   const int wpr = tpr >> 5;
-  const int first = warp & ~(wpr - 1);
+  const int first = tpr == (int)blockDim.x ? 0 : warp & ~(wpr - 1);  // the row's first warp
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     float M = -SMX_INF;
@@ -271,11 +271,9 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
         const SmxFwdParams p) {
   enum { N = Chunk<T>::N };
   __shared__ float red[RPT][2][SMX_BLOCK / 32];
-  const int tl = p.tpr_log2;
-  const int tpr = 1 << tl;
-  const int lane = threadIdx.x & (tpr - 1);
-  const int rpb = blockDim.x >> tl;
-  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + (threadIdx.x >> tl);
+  smx_rows_of_block rb(p.tpr_log2);
+  const int tpr = rb.tpr, lane = rb.lane, rpb = rb.rpb;
+  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + rb.first_row;
 
   FwdRow<T, M> rw[RPT];
   bool act[RPT];

@@ -57,27 +57,18 @@ SMALL_BLOCK = 128  # block of rows of at most 32 threads
 LOOP_NCH = 4  # chunks per thread and segment of the looped tier
 MAX_GRID = 2**31 - 1
 
-# The register tier, by chunks per row C (rows of C chunks fit when C <= limit): one
-# table for the whole-chunk kernels (AL: every row of every operand is whole 16-byte
-# chunks, the common case) and a smaller one for the general kernels (rows off the
-# 16-byte grid, strided rows, rare mask kinds).
+# The register tier, by chunks per row C (rows of C chunks fit when C <= limit).  Every
+# row has a whole-chunk kernel (AL: every row of every operand is whole 16-byte chunks, the
+# common case) and a general one (rows off the 16-byte grid, strided rows, rare masks).
 #   limit   NCH  RPT  threads per row      why
-FWD_TABLE_AL = (
-    (64, 2, 1, "C/2"),  # Sk <= 512 (16-bit), <= 256 (fp32): rows within a warp
-    (2048, 4, 1, "C/4"),  # <= 16384 (16-bit): 16..512 threads x 4 chunks (32 values per thread)
-    (4096, 8, 1, "C/8"),  # fp32 <= 16384: 512 threads x 8 chunks
-)
 FWD_TABLE = (
-    (64, 2, 1, "C/2"),
-    (4096, 8, 1, "C/8"),  # 8..512 threads x 8 chunks (64 values per thread)
-)
-BWD_TABLE_AL = (
-    (64, 2, 2, "C/2"),  # dy and y: 2 rows x 2 chunks, twice the loads in flight
-    (2048, 4, 1, "C/4"),
-    (4096, 8, 1, "C/8"),
+    (64, 2, 1, "C/2"),  # Sk <= 512 (16-bit), <= 256 (fp32): rows within a warp
+    (2048, 4, 1, "C/4"),  # <= 16384 (16-bit): 17..512 threads x 4 chunks (32 values per thread)
+    (4096, 8, 1, "C/8"),  # fp32 <= 16384: 257..512 threads x 8 chunks
 )
 BWD_TABLE = (
-    (64, 2, 2, "C/2"),
+    (64, 2, 2, "C/2"),  # dy and y: 2 rows x 2 chunks, twice the loads in flight
+    (2048, 4, 1, "C/4"),
     (4096, 8, 1, "C/8"),
 )
 # The register tier holds rows of up to 16384 elements: 4096 fp32 chunks, 2048 16-bit ones
@@ -95,12 +86,6 @@ def _configs(table: tuple[tuple[int, int, int, str], ...], itemsize: int) -> lis
         if limit >= cap:
             break
     return out
-
-
-def _table(backward: bool, al: bool) -> tuple[tuple[int, int, int, str], ...]:
-    if backward:
-        return BWD_TABLE_AL if al else BWD_TABLE
-    return FWD_TABLE_AL if al else FWD_TABLE
 
 
 def _t(dtype: str) -> str:
@@ -136,13 +121,13 @@ def al_mask_kinds(dtype: str) -> tuple[str, ...]:
 def _fwd_names(dt: str, mk: str, item: int) -> list[str]:
     names = [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
     if mk in al_mask_kinds(dt):
-        names += [kernel_fwd(dt, mk, nch, rpt, True) for _, nch, rpt, _ in _configs(FWD_TABLE_AL, item)]
+        names += [kernel_fwd(dt, mk, nch, rpt, True) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
     return names
 
 
 def _bwd_names(dt: str, item: int) -> list[str]:
     names = [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
-    return names + [kernel_bwd(dt, nch, rpt, True) for _, nch, rpt, _ in _configs(BWD_TABLE_AL, item)]
+    return names + [kernel_bwd(dt, nch, rpt, True) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
 
 
 def all_kernel_names() -> list[str]:
@@ -189,10 +174,15 @@ class LaunchPlan:
     reason: str  # which table row chose it
     whole: bool = False  # every row of every operand is whole 16-byte chunks (AL kernel)
 
+    @property
+    def tpr(self) -> int:
+        """Threads per row: 2^tpr_log2, or the whole block where that is larger."""
+        return min(1 << self.tpr_log2, self.block)
+
     def describe(self) -> str:
         return (
             f"{self.tier} tier: {self.kernel}, grid {self.grid} x block {self.block}, "
-            f"{1 << self.tpr_log2} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
+            f"{self.tpr} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
             f"{'16-byte vector' if self.vector else 'element-wise'} access"
             f"{', whole-chunk rows' if self.whole else ''}; {self.reason}"
         )
@@ -219,13 +209,18 @@ def choose_shape(
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements;
     `whole`: every row is whole 16-byte chunks (the AL kernels' table)."""
     chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
-    table = _configs(_table(backward, whole), itemsize)
+    table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize)
     for limit, nch, rpt, rule in table:
         if chunks <= limit:
-            t = _log2_ceil(_ceil_div(chunks, nch))
-            block = SMALL_BLOCK if (1 << t) <= 32 else BLOCK
-            block = max(block, 1 << t)
-            rows_per_block = (block >> t) * rpt
+            need = _ceil_div(chunks, nch)
+            t = _log2_ceil(need)
+            if (1 << t) <= 32:
+                block = SMALL_BLOCK
+            elif (1 << t) == _ceil_div(need, 32) * 32:
+                block = max(BLOCK, 1 << t)
+            else:  # a block of whole warps is one row (the kernel takes the whole block)
+                block = _ceil_div(need, 32) * 32
+            rows_per_block = max(block >> t, 1) * rpt
             grid = _ceil_div(rows, rows_per_block)
             why = f"{chunks} chunks per row <= {limit}: {nch} chunk(s) x {rpt} row(s) per thread, tpr = {rule}"
             return "register", nch, rpt, t, block, grid, why

@@ -29,7 +29,7 @@ ITEMSIZE = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
 
 
 def _tpr(plan) -> int:
-    return 1 << plan.tpr_log2
+    return plan.tpr
 
 
 def _contig(shape):
@@ -50,14 +50,14 @@ CASES_16 = [
     (31, False, False, (2, 1), (2, 2), 4),  # 4 chunks + 1 for misalignment
     (128, True, True, (2, 1), (2, 2), 8),
     (512, True, True, (2, 1), (2, 2), 32),  # 64 chunks: the last rows within a warp
-    (513, True, False, (8, 1), (8, 1), 16),
+    (513, True, False, (4, 1), (4, 1), 32),
     (520, True, True, (4, 1), (4, 1), 32),
-    (4096, True, True, (4, 1), (4, 1), 128),  # rows span 4 warps
-    (4097, True, False, (8, 1), (8, 1), 128),
-    (4090, False, False, (8, 1), (8, 1), 128),  # 512 chunks + 1 for misalignment
+    (4096, True, True, (4, 1), (4, 1), 128),  # rows span 4 warps, 2 rows per block
+    (4097, True, False, (4, 1), (4, 1), 160),  # 5 warps: a block per row
+    (4090, False, False, (4, 1), (4, 1), 160),  # 512 chunks + 1 for misalignment
     (16384, True, True, (4, 1), (4, 1), 512),  # a row per 512-thread block
     (16376, True, True, (4, 1), (4, 1), 512),
-    (16383, True, False, (8, 1), (8, 1), 256),
+    (16383, True, False, (4, 1), (4, 1), 512),
     (16385, True, False, "loop", "loop", 256),
     (16384, False, False, "loop", "loop", 256),
 ]
@@ -66,13 +66,13 @@ CASES_32 = [
     (16, True, True, (2, 1), (2, 2), 2),
     (17, True, False, (2, 1), (2, 2), 4),
     (256, True, True, (2, 1), (2, 2), 32),
-    (257, True, False, (8, 1), (8, 1), 16),
+    (257, True, False, (4, 1), (4, 1), 32),
     (260, True, True, (4, 1), (4, 1), 32),
     (2048, True, True, (4, 1), (4, 1), 128),
-    (2049, True, False, (8, 1), (8, 1), 128),
+    (2049, True, False, (4, 1), (4, 1), 160),
     (8192, True, True, (4, 1), (4, 1), 512),
-    (8193, True, False, (8, 1), (8, 1), 512),
-    (8196, True, True, (8, 1), (8, 1), 512),
+    (8193, True, False, (8, 1), (8, 1), 288),  # 9 warps x 8 chunks
+    (8196, True, True, (8, 1), (8, 1), 288),
     (16384, True, True, (8, 1), (8, 1), 512),
     (16383, True, False, (8, 1), (8, 1), 512),
     (16385, True, False, "loop", "loop", 256),
@@ -100,7 +100,8 @@ def test_boundary_configs(dtype, backward, sk, aligned, whole, fcfg, bcfg, tpr):
     al = "true" if whole else "false"
     want = f"smx_bwd<{t}, {nch}, {rpt}, {al}>" if backward else f"smx_fwd<{t}, MaskHide<smx_u8>, {nch}, {rpt}, {al}>"
     assert plan.kernel == want and plan.whole == whole
-    assert plan.block == (128 if tpr <= 32 else max(256, tpr))
+    pow2 = tpr & (tpr - 1) == 0
+    assert plan.block == (128 if tpr <= 32 else max(256, tpr) if pow2 else tpr)
     assert plan.grid == -(-rows // ((plan.block // tpr) * rpt))
     assert plan.vector is True
 
@@ -148,7 +149,9 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
             chunks = _plan.row_chunks(sk, ITEMSIZE[dtype], aligned)
             if p.tier == "register":
                 assert _tpr(p) * p.nch >= chunks, (sk, p)
-                assert _tpr(p) == 1 or (_tpr(p) // 2) * p.nch < chunks, (sk, p)  # no smaller tpr fits
+                # No narrower row fits: half as many threads, or a warp less for rows of whole warps.
+                narrower = _tpr(p) // 2 if _tpr(p) <= 32 else _tpr(p) - 32
+                assert _tpr(p) == 1 or narrower * p.nch < chunks, (sk, p)
                 assert p.block % _tpr(p) == 0 and p.block <= _plan.MAX_BLOCK
                 rows_per_block = p.block // _tpr(p) * p.rpt
                 assert (p.grid - 1) * rows_per_block < rows <= p.grid * rows_per_block
@@ -216,7 +219,7 @@ def test_grid_beyond_the_launch_limit_is_an_argument_error():
         ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 1, true>"),
         ((2, 12, 128, 127), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 1, false>"),
         ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
-        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8, 1, false>"),
+        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 4, 1, false>"),
         ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>, 4>"),
         ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float, 4>"),
         ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 2, 2, false>"),
