@@ -10,50 +10,22 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from . import _dtypes
 from ._errors import arg_type_error, arg_value_error
 
+if TYPE_CHECKING:
+    from ._core import Operand
+
 FLT_MAX = 3.4028234663852886e38
-X_DTYPES_GPU = ("float16", "bfloat16", "float32")
-X_DTYPES_CPU = X_DTYPES_GPU + ("float64",)
-MASK_DTYPES = (
-    "bool",
-    "int8",
-    "uint8",
-    "int16",
-    "uint16",
-    "int32",
-    "uint32",
-    "int64",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
 # key_lengths: any integer dtype on every path.  The kernels read int32 and int64; the GPU
 # front doors convert the other integer dtypes to one of those first (B elements, on the
 # launch stream), keeping every value's meaning (values clamp to [0, Sk]).
-INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
-KLEN_KERNEL_DTYPES = ("int32", "int64")
-ITEMSIZE = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-}
+X_DTYPES_GPU, X_DTYPES_CPU, MASK_DTYPES = _dtypes.X_DTYPES_GPU, _dtypes.X_DTYPES_CPU, _dtypes.MASK_DTYPES
+INT_DTYPES, KLEN_KERNEL_DTYPES, ITEMSIZE = _dtypes.INT_DTYPES, _dtypes.KLEN_KERNEL_DTYPES, _dtypes.ITEMSIZE
 STREAM_MAX = 2**64 - 1  # a stream handle is a pointer
 
 
@@ -183,6 +155,79 @@ def check_out_strides(shape: tuple[int, ...], strides: tuple[int, ...], name: st
                 f"strides {tuple(strides)} for shape {tuple(shape)}",
             )
         reach += (n - 1) * s
+
+
+# ----------------------------------------------------------------------------------
+# One call's checks, the same for every door that describes its arrays as Operands
+# (NumPy, CUDA arrays, raw pointers): each door reads its arrays (refusing objects of the
+# wrong kind by name) and hands their metadata here.  Device checks stay with the doors.
+
+
+def check_forward_call(
+    x: Operand,
+    mask: Operand | None,
+    klen: Operand | None,
+    out: Operand | None,
+    scale: object,
+    causal: object,
+    allowed: tuple[str, ...] = X_DTYPES_GPU,
+    where: str = "on the GPU",
+    out_readonly: bool = False,
+) -> tuple[float, bool]:
+    """Every argument check of a forward call; returns (scale, causal) as float and bool."""
+    s = check_scale(scale)
+    c = check_causal(causal)
+    check_x(x.shape, x.dtype, allowed, where)
+    if mask is not None:
+        check_mask_dtype(mask.dtype)
+        check_broadcast(mask.shape, x.shape)
+    check_causal_shape(c, x.shape)
+    if klen is not None:
+        check_key_lengths(klen.shape, klen.dtype, x.shape)
+    if out is not None:
+        if out_readonly:
+            raise arg_value_error("out", "a writable array", "a read-only array")
+        check_out(out.shape, out.dtype, x.shape, x.dtype)
+        check_out_strides(out.shape, out.strides)
+        check_no_overlap(
+            operand_region("out", out),
+            (operand_region("x", x), operand_region("mask", mask), operand_region("key_lengths", klen)),
+            in_place=("x",),
+        )
+    return s, c
+
+
+def check_backward_call(
+    dy: Operand,
+    y: Operand,
+    out: Operand | None,
+    scale: object,
+    allowed: tuple[str, ...] = X_DTYPES_GPU,
+    where: str = "on the GPU",
+    out_readonly: bool = False,
+) -> float:
+    """Every argument check of a backward call; returns scale as a float."""
+    s = check_scale(scale)
+    check_x(y.shape, y.dtype, allowed, where, "y")
+    if dy.shape != y.shape or dy.dtype != y.dtype:
+        raise arg_value_error(
+            "dy", f"of y's shape {y.shape} and dtype {y.dtype}", f"shape {dy.shape}, dtype {dy.dtype}"
+        )
+    if out is not None:
+        if out_readonly:
+            raise arg_value_error("out", "a writable array", "a read-only array")
+        check_out(out.shape, out.dtype, y.shape, y.dtype, "y")
+        check_out_strides(out.shape, out.strides)
+        check_no_overlap(
+            operand_region("out", out), (operand_region("dy", dy), operand_region("y", y)), in_place=("dy", "y")
+        )
+    return s
+
+
+def operand_region(name: str, op: Operand | None) -> Region | None:
+    if op is None:
+        return None
+    return region(name, op.ptr, op.shape, op.strides, ITEMSIZE.get(op.dtype, 1))
 
 
 # ----------------------------------------------------------------------------------
