@@ -176,7 +176,7 @@ def stream_of(a: Any) -> int | None:
     if k == "cai":
         try:
             cai = a.__cuda_array_interface__
-            s = cai.get("stream") if isinstance(cai, dict) else None
+            s = cai.get("stream") if isinstance(cai, dict) and cai.get("version", 0) >= 3 else None
         except Exception:  # a broken interface: the read names it
             return None
         return 0 if s is None else _args.stream_handle(s)
@@ -451,7 +451,8 @@ def wait_all(items: list[Item], stream: int) -> None:
         p = it.producer
         if p is not None and p not in seen:
             seen += (p,)
-            wait(p, stream, it.device)
+            if p != stream and not (_legacy(p) and _legacy(stream)):
+                wait(p, stream, it.device)
 
 
 __all__ = ["Item", "read", "kind", "stream_of", "wait", "wait_all", "parse_capsule", "release_all", "np_dtype_name"]
