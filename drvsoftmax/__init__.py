@@ -85,15 +85,25 @@ def _door(x: object, name: str) -> Any:
         door = _jax_door()
         if door is not None:
             return door
-    from . import _arrays, _intake
-
-    if _intake.kind(x):
-        return _arrays
+    arrays = _arrays_door or _load_arrays_door()
+    if arrays._intake.kind(x):
+        return arrays
     raise arg_type_error(
         name,
         "a torch.Tensor, a NumPy array or a CUDA array (__dlpack__ or __cuda_array_interface__)",
         type(x).__name__,
     )
+
+
+_arrays_door: Any = None  # drvsoftmax._arrays, once imported
+
+
+def _load_arrays_door() -> Any:
+    global _arrays_door
+    from . import _arrays
+
+    _arrays_door = _arrays
+    return _arrays
 
 
 def _jax_door() -> Any:

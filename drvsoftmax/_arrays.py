@@ -21,17 +21,28 @@ from ._errors import arg_type_error, arg_value_error
 from ._intake import Item
 
 
-def _read(a: Any, name: str, stream: int, like: str, what: str) -> Item:
+def _read(a: Any, name: str, stream: int, cur: int | None, like: str, what: str) -> Item:
     if not _intake.kind(a):
         raise arg_type_error(name, f"a CUDA array like {like}{what}", type(a).__name__)
-    return _intake.read(a, name, stream)
+    return _intake.read(a, name, stream, cur)
 
 
-def _launch_stream(a: Any, stream: object) -> int:
+def _read_first(a: Any, name: str, stream: object) -> tuple[Item, int, int | None]:
+    """Read x (y backward) and choose the launch stream: `stream` when given, else CuPy's
+    current stream (CuPy), the interface's v3 stream (CUDA array interface), else the
+    legacy default stream.  Returns (item, launch stream, CuPy's current stream or None)."""
+    k = _intake.kind(a)
+    cur = _intake.cupy_current_stream() if k == "cupy" else None
     if stream is not None:
-        return _args.stream_handle(stream)
-    s = _intake.stream_of(a)
-    return 0 if s is None else s
+        s = _args.stream_handle(stream)
+    elif cur is not None:
+        s = cur
+    else:
+        s = 0
+    it = _intake.read(a, name, s, cur)
+    if stream is None and k == "cai" and it.producer is not None:
+        s = it.producer
+    return it, s, cur
 
 
 def _same_device(name: str, it: Item, dev: int, like: str = "x") -> None:
@@ -42,22 +53,21 @@ def _same_device(name: str, it: Item, dev: int, like: str = "x") -> None:
 def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Any:
     items: list[Item] = []
     try:
-        s = _launch_stream(x, stream)
-        xi = _intake.read(x, "x", s)
+        xi, s, cur = _read_first(x, "x", stream)
         items.append(xi)
         mi = ki = oi = None
         if mask is not None:
-            mi = _read(mask, "mask", s, "x", " (or None)")
+            mi = _read(mask, "mask", s, cur, "x", " (or None)")
             items.append(mi)
         if key_lengths is not None:
             if not _intake.kind(key_lengths):
                 raise arg_type_error(
                     "key_lengths", "a CUDA array of integers of shape [B] (or None)", type(key_lengths).__name__
                 )
-            ki = _intake.read(key_lengths, "key_lengths", s)
+            ki = _intake.read(key_lengths, "key_lengths", s, cur)
             items.append(ki)
         if out is not None:
-            oi = _read(out, "out", s, "x", " (or None)")
+            oi = _read(out, "out", s, cur, "x", " (or None)")
             items.append(oi)
         sc, cz = _args.check_forward_call(
             xi.op,
@@ -93,16 +103,15 @@ def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: A
 def backward(dy: Any, y: Any, scale: Any, out: Any, stream: object) -> Any:
     items: list[Item] = []
     try:
-        s = _launch_stream(y, stream)
-        yi = _intake.read(y, "y", s)
+        yi, s, cur = _read_first(y, "y", stream)
         items.append(yi)
         if not _intake.kind(dy):
             raise arg_type_error("dy", "a CUDA array like y", type(dy).__name__)
-        di = _intake.read(dy, "dy", s)
+        di = _intake.read(dy, "dy", s, cur)
         items.append(di)
         oi = None
         if out is not None:
-            oi = _read(out, "out", s, "y", " (or None)")
+            oi = _read(out, "out", s, cur, "y", " (or None)")
             items.append(oi)
         sc = _args.check_backward_call(
             di.op, yi.op, None if oi is None else oi.op, scale, out_readonly=oi is not None and oi.readonly

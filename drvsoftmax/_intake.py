@@ -64,8 +64,6 @@ _USED = b"used_dltensor"
 _USED_V = b"used_dltensor_versioned"
 
 _api = ctypes.pythonapi
-_cap_valid = _api.PyCapsule_IsValid
-_cap_valid.argtypes, _cap_valid.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_int
 _cap_ptr = _api.PyCapsule_GetPointer
 _cap_ptr.argtypes, _cap_ptr.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
 _cap_rename = _api.PyCapsule_SetName
@@ -138,24 +136,34 @@ def kind(a: object) -> str:
             k = "cupy"
         elif hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
             k = "dlpack"
+        elif hasattr(t, "__cuda_array_interface__"):
+            k = "cai"  # a property of the type (Numba)
         elif hasattr(a, "__cuda_array_interface__"):
-            k = "cai"  # (an instance attribute, on some objects: not cached)
-            return k
+            return "cai"  # an instance attribute: not cached by type
         else:
             return ""
         _kind_of_type[t] = k
     return k
 
 
+_lib_of_type: dict[type, str] = {}
+
+
 def library(a: object) -> str:
-    return type(a).__module__.split(".")[0]
+    """The top-level module of a's type: "cupy", "numba", ..."""
+    t = type(a)
+    lib = _lib_of_type.get(t)
+    if lib is None:
+        lib = _lib_of_type[t] = t.__module__.split(".")[0]
+    return lib
 
 
-def read(a: Any, name: str, stream: int) -> Item:
-    """Read array `a` (argument `name`); `stream` is the stream the call launches on."""
+def read(a: Any, name: str, stream: int, cupy_stream: int | None = None) -> Item:
+    """Read array `a` (argument `name`); `stream` is the stream the call launches on
+    (DLPack producers are given it), `cupy_stream` CuPy's current stream if known."""
     k = kind(a)
     if k == "cupy":
-        return _read_cupy(a, name)
+        return _read_cupy(a, name, cupy_stream)
     if k == "dlpack":
         return _read_dlpack(a, name, stream)
     if k == "cai":
@@ -172,7 +180,7 @@ def stream_of(a: Any) -> int | None:
     raises the error)."""
     k = kind(a)
     if k == "cupy":
-        return int(sys.modules["cupy"].cuda.get_current_stream().ptr)
+        return cupy_current_stream()
     if k == "cai":
         try:
             cai = a.__cuda_array_interface__
@@ -233,13 +241,16 @@ def np_dtype_name(dt: Any) -> str:
     return n
 
 
-def _read_cupy(a: Any, name: str) -> Item:
+def cupy_current_stream() -> int:
+    return int(sys.modules["cupy"].cuda.get_current_stream().ptr)
+
+
+def _read_cupy(a: Any, name: str, current: int | None) -> Item:
     dt = np_dtype_name(a.dtype)
     shape = a.shape
-    d = _dtypes.TABLE.get(dt)
-    st = _elem_strides(name, shape, a.strides, d.itemsize if d else a.itemsize)
-    cp = sys.modules["cupy"]
-    return Item(Operand(a.data.ptr, dt, shape, st), a.device.id, False, cp.cuda.get_current_stream().ptr, None, "cupy")
+    st = _elem_strides(name, shape, a.strides, a.itemsize)
+    p = cupy_current_stream() if current is None else current
+    return Item(Operand(a.data.ptr, dt, shape, st), a.device.id, False, p, None, "cupy")
 
 
 def _dlpack_stream_arg(stream: int) -> int:
@@ -279,40 +290,46 @@ def _read_dlpack(a: Any, name: str, stream: int) -> Item:
 
 def parse_capsule(cap: object, name: str, lib: str = "dlpack") -> Item:
     """Take ownership of a DLPack capsule and read it (the deleter is called by `release`)."""
-    if _cap_valid(cap, _NAME_V):
-        managed = int(_cap_ptr(cap, _NAME_V) or 0)
-        if not managed or _cap_rename(cap, _USED_V):
-            raise arg_value_error(name, "a usable DLPack capsule", "a capsule that could not be taken")
-        major, _minor, _ctx, deleter, flags = VERSIONED_HEAD.unpack(ctypes.string_at(managed, VERSIONED_HEAD.size))
-        rel = _Release(deleter, managed)
-        if major != 1:
-            rel()
-            raise arg_value_error(name, "a DLPack 1.x capsule", f"version {major}.{_minor}")
-        tensor = managed + VERSIONED_HEAD.size
-        readonly = bool(flags & FLAG_READ_ONLY)
-    elif _cap_valid(cap, _NAME):
-        managed = int(_cap_ptr(cap, _NAME) or 0)
-        if not managed or _cap_rename(cap, _USED):
-            raise arg_value_error(name, "a usable DLPack capsule", "a capsule that could not be taken")
-        _ctx, deleter = MANAGED_TAIL.unpack(ctypes.string_at(managed + DLTENSOR.size, MANAGED_TAIL.size))
-        rel = _Release(deleter, managed)
-        tensor, readonly = managed, False
-    else:
+    versioned = True
+    try:
+        managed = _cap_ptr(cap, _NAME_V)  # a capsule of another name raises ValueError
+    except (ValueError, TypeError):
+        versioned = False
+        try:
+            managed = _cap_ptr(cap, _NAME)
+        except (ValueError, TypeError):
+            managed = None
+    if not managed:
         raise arg_value_error(
             name, "a DLPack capsule named 'dltensor' or 'dltensor_versioned'", f"{type(cap).__name__} {cap!r:.60}"
         )
+    if _cap_rename(cap, _USED_V if versioned else _USED):
+        raise arg_value_error(name, "a usable DLPack capsule", "a capsule that could not be renamed")
+    if versioned:
+        raw = ctypes.string_at(managed, VERSIONED_HEAD.size + DLTENSOR.size)
+        major, minor, _ctx, deleter, flags = VERSIONED_HEAD.unpack_from(raw)
+        rel = _Release(deleter, managed)
+        if major != 1:
+            rel()
+            raise arg_value_error(name, "a DLPack 1.x capsule", f"version {major}.{minor}")
+        fields = DLTENSOR.unpack_from(raw, VERSIONED_HEAD.size)
+        readonly = bool(flags & FLAG_READ_ONLY)
+    else:
+        raw = ctypes.string_at(managed, DLTENSOR.size + MANAGED_TAIL.size)
+        _ctx, deleter = MANAGED_TAIL.unpack_from(raw, DLTENSOR.size)
+        rel = _Release(deleter, managed)
+        fields = DLTENSOR.unpack_from(raw)
+        readonly = False
     try:
-        op, dev = _read_dltensor(tensor, name)
+        op, dev = _read_dltensor(fields, name)
     except BaseException:
         rel()
         raise
     return Item(op, dev, readonly, None, rel, lib)
 
 
-def _read_dltensor(addr: int, name: str) -> tuple[Operand, int]:
-    data, dev_type, dev_id, ndim, code, bits, lanes, shape_p, strides_p, offset = DLTENSOR.unpack(
-        ctypes.string_at(addr, DLTENSOR.size)
-    )
+def _read_dltensor(fields: tuple[Any, ...], name: str) -> tuple[Operand, int]:
+    data, dev_type, dev_id, ndim, code, bits, lanes, shape_p, strides_p, offset = fields
     if dev_type not in (DL_CUDA, DL_CUDA_MANAGED):
         where = _DL_DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
         raise arg_value_error(name, "an array in CUDA device memory", f"a DLPack tensor on {where}")
@@ -334,6 +351,26 @@ def _read_dltensor(addr: int, name: str) -> tuple[Operand, int]:
 _QFMT = [struct.Struct(f"<{n}q") for n in range(65)]
 
 
+_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _shape(name: str, v: Any) -> tuple[int, ...]:
+    """A shape tuple from an interface: ints >= 0 (a tuple seen before: one lookup)."""
+    try:
+        sh = _shapes.get(v)
+    except TypeError:  # a list, say: unhashable
+        sh = None
+    if sh is None:
+        sh = tuple(int(n) for n in v)
+        if any(n < 0 for n in sh):
+            raise arg_value_error(name, "an array of non-negative dims", f"shape {sh}")
+        if type(v) is tuple:
+            if len(_shapes) > 1024:
+                _shapes.clear()
+            _shapes[v] = sh
+    return sh
+
+
 def _read_cai(a: Any, name: str) -> Item:
     try:
         cai = a.__cuda_array_interface__
@@ -349,9 +386,7 @@ def _read_cai(a: Any, name: str) -> Item:
             dtype = "bfloat16"  # the interface has no bfloat16 typestr: the library's dtype names it
         if dtype is None:
             raise arg_type_error(name, "an array of a supported dtype", f"typestr {ts} ({getattr(a, 'dtype', '?')})")
-        shape = tuple(int(n) for n in cai["shape"])
-        if any(n < 0 for n in shape):
-            raise arg_value_error(name, "an array of non-negative dims", f"shape {shape}")
+        shape = _shape(name, cai["shape"])
         bs = cai.get("strides")
         strides = _elem_strides(name, shape, None if bs is None else tuple(int(s) for s in bs), _dtypes.ITEMSIZE[dtype])
         data = cai["data"]

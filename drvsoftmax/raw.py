@@ -198,6 +198,8 @@ def _strides(name: str, v: Sequence[int] | None, shape: tuple[int, ...]) -> tupl
         from ._intake import contiguous
 
         return contiguous(shape)
+    if type(v) is tuple and len(v) == len(shape) and all(type(s) is int for s in v):
+        return v
     if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
         raise arg_type_error(name, "a sequence of integers (element strides) or None", f"{type(v).__name__}")
     st = tuple(_int(name, s) for s in v)
