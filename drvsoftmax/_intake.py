@@ -173,24 +173,6 @@ def read(a: Any, name: str, stream: int, cupy_stream: int | None = None) -> Item
     )
 
 
-def stream_of(a: Any) -> int | None:
-    """The stream a call on `a` launches on when the caller names none: CuPy's current
-    stream for CuPy arrays, the interface's v3 stream for CUDA-array-interface objects, the
-    legacy default stream otherwise.  None when `a` is no array the intake reads (the read
-    raises the error)."""
-    k = kind(a)
-    if k == "cupy":
-        return cupy_current_stream()
-    if k == "cai":
-        try:
-            cai = a.__cuda_array_interface__
-            s = cai.get("stream") if isinstance(cai, dict) and cai.get("version", 0) >= 3 else None
-        except Exception:  # a broken interface: the read names it
-            return None
-        return 0 if s is None else _args.stream_handle(s)
-    return 0 if k else None
-
-
 # ----------------------------------------------------------------------------------
 # Readers.
 
@@ -490,4 +472,4 @@ def wait_all(items: list[Item], stream: int) -> None:
                 wait(p, stream, it.device)
 
 
-__all__ = ["Item", "read", "kind", "stream_of", "wait", "wait_all", "parse_capsule", "release_all", "np_dtype_name"]
+__all__ = ["Item", "read", "kind", "wait", "wait_all", "parse_capsule", "release_all", "np_dtype_name"]
