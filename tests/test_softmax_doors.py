@@ -585,6 +585,7 @@ def test_raw_door(dtype):
     x, mask, kl, scale, ref = _inputs(dtype)
     xg, mg, kg = _bits(x), cp.asarray(mask), cp.asarray(kl)
     yg = cp.empty_like(xg)
+    cp.cuda.get_current_stream().synchronize()  # the copies above ran on CuPy's stream, not on s
     s = cp.cuda.Stream(non_blocking=True)
     raw.forward(
         xg.data.ptr,
