@@ -12,7 +12,7 @@ import ctypes
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _params, _plan
+from . import _dtypes, _params, _plan
 from ._errors import arg_type_error, arg_value_error, check
 
 if TYPE_CHECKING:
@@ -24,22 +24,8 @@ F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC, F_SMALL, F_SAMEMAP = (
 )
 MAX_SK = 2**31 - 1  # row-internal indices are 32-bit in the kernels
 
-MASK_KIND_OF_DTYPE = {
-    "bool": "hide1",
-    "int8": "hide1",
-    "uint8": "hide1",
-    "int16": "hide2",
-    "uint16": "hide2",
-    "int32": "hide4",
-    "uint32": "hide4",
-    "int64": "hide8",
-    "uint64": "hide8",
-    "float16": "add_float16",
-    "bfloat16": "add_bfloat16",
-    "float32": "add_float32",
-    "float64": "add_float64",
-}
-KLEN_DTYPES = ("int32", "int64")
+MASK_KIND_OF_DTYPE = _dtypes.MASK_KIND_OF_DTYPE
+KLEN_DTYPES = _dtypes.KLEN_KERNEL_DTYPES
 
 
 class Operand(NamedTuple):

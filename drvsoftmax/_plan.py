@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import _dtypes
+
 # Storage dtypes of x / y / dy: name -> (C++ type, bytes).
-X_DTYPES = {
-    "float16": ("smx_f16", 2),
-    "bfloat16": ("smx_bf16", 2),
-    "float32": ("float", 4),
-}
+X_DTYPES = _dtypes.KERNEL_CTYPES
 
 # Mask sources: kind -> C++ VALUES step.  Integer and boolean masks only need their
 # width (nonzero hides); floating masks are added.

@@ -25,24 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _args, _core, _driver, _reference
+from . import _args, _core, _driver, _dtypes, _reference
 from ._errors import DrvSoftmaxError, arg_type_error, arg_value_error
 
-_DT = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.bool: "bool",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-for _n in ("uint16", "uint32", "uint64"):
-    if hasattr(torch, _n):
-        _DT[getattr(torch, _n)] = _n
+_DT = {getattr(torch, n): n for n in _dtypes.TABLE if hasattr(torch, n)}  # torch.dtype -> name
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_TYPES = ("cpu", "cuda")
