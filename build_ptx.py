@@ -6,12 +6,15 @@
 
 Builds the kernels of ``_plan.packaged_kernel_names()`` (the others compile at run time):
 cubins per architecture in groups of ``--group`` kernels, PTX one kernel per module (so
-that a driver JIT-compiles only the kernel a call needs, in about a second), and a
-manifest.json: each file's kind, architecture, size, sha256 and kernels with their
-symbols, the hash of the sources and options, the NVRTC version, and for PTX the oldest
-driver CUDA version that can JIT it.  Runs on a machine without a GPU.  The same sources
-and NVRTC give a byte-identical manifest (no dates, sorted keys); how long the build took
-goes to build.json beside it.
+that a driver JIT-compiles only the kernel a call needs, in about a second), a
+manifest.json and drvsoftmax.h.  The manifest holds each file's kind, architecture, size,
+sha256 and kernels with their symbols, the hash of the sources and options, the NVRTC
+version, for PTX the oldest driver CUDA version that can JIT it, and a ``symbols`` table
+for programs in other languages: each kernel's mangled symbol, parameter signature and
+files.  drvsoftmax.h is the C header of the parameter structs and the launch-shape rule
+(drvsoftmax/_capi.py; the same file as drvsoftmax/include/drvsoftmax.h).  Runs on a
+machine without a GPU.  The same sources and NVRTC give a byte-identical manifest (no
+dates, sorted keys); how long the build took goes to build.json beside it.
 
 ``--arch native`` builds cubins for the GPUs of this machine only (none without a GPU:
 PTX and run-time compiles then serve every device); ``all`` (the default) is every
@@ -38,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from drvsoftmax import _compiler, _plan  # noqa: E402
+from drvsoftmax import _capi, _compiler, _params, _plan  # noqa: E402
 
 DEFAULT_PTX = ("compute_75",)  # kernels use no newer features: one PTX serves every arch >= 7.5
 DEFAULT_GROUP = 16  # kernels per cubin: spreads one architecture over many cores
@@ -97,6 +100,25 @@ def _groups(names: list[str], size: int) -> list[list[str]]:
     return [names[i : i + size] for i in range(0, len(names), size)]
 
 
+def symbol_table(names: list[str], files: dict) -> dict:
+    """For C and other non-Python programs: each kernel's mangled symbol, its parameter
+    signature, and the files holding it (cubins by sm_XY, PTX by compute_XY)."""
+    table = {}
+    for n in names:
+        entry: dict = {"params": _params.kernel_signature(n), "cubins": {}, "ptx": {}}
+        symbols = set()
+        for fname, e in sorted(files.items()):
+            if n in e["lowered"]:
+                symbols.add(e["lowered"][n])
+                entry["cubins" if e["kind"] == "cubin" else "ptx"][e["arch"]] = fname
+        if len(symbols) > 1:
+            raise SystemExit(f"build_ptx: {n} has several symbols: {sorted(symbols)}")
+        if symbols:
+            entry["symbol"] = symbols.pop()
+        table[n] = entry
+    return table
+
+
 def default_jobs() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -145,12 +167,15 @@ def build(archs, ptx_archs, out: Path, names=None, jobs=None, verbose=False, gro
                 print(f"  {fname}: {len(image):,} bytes, {len(lowered)} kernels, {secs:.1f} s{extra}", flush=True)
     manifest = {
         "format": MANIFEST_FORMAT,
+        "symbols": symbol_table(names, files),
+        "header": _capi.HEADER_NAME,
         "source_hash": _compiler.source_hash(),
         "options": list(_compiler.BASE_OPTIONS),
         "nvrtc": nvrtc,
         "kernels": names,
         "files": files,
     }
+    (out / _capi.HEADER_NAME).write_text(_capi.c_api_header())
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     info = {"seconds": round(time.perf_counter() - t0, 1), "jobs": jobs, "archs": list(archs), "ptx": list(ptx_archs)}
     (out / "build.json").write_text(json.dumps(info, sort_keys=True) + "\n")

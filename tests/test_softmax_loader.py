@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from drvsoftmax import _compiler, _loader
+from drvsoftmax import _capi, _compiler, _loader, _params
 from drvsoftmax._errors import KernelUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,15 @@ def test_manifest_content_and_byte_identical_rebuild(artifacts_dir, tmp_path):
             assert b".version" in data and e["min_cuda"] >= 12000
             major, minor = (int(v) for v in e["ptx_version"].split("."))
             assert f".version {major}.{minor}".encode() in data
+    # For programs in other languages: each kernel's symbol, signature and files, and the header.
+    for k in (K1, K2):
+        sym = m["symbols"][k]
+        assert {sym["symbol"]} == {e["lowered"][k] for e in m["files"].values() if k in e["lowered"]}
+        assert sym["params"] == _params.kernel_signature(k)
+        assert sym["cubins"] == {a: f"drvsoftmax_{a}_000.cubin" for a in ("sm_80", "sm_90")}
+        assert set(sym["ptx"]) == {"compute_75", "compute_90"}
+    assert m["symbols"][K1]["params"][-1] == f"SmxFwdParams ({_params.FWD.size} bytes)"
+    assert (artifacts_dir / m["header"]).read_text() == _capi.c_api_header()
     again = tmp_path / "again"
     _build(again, "--arch", "sm_80", "sm_90", "--ptx", "compute_75", "compute_90")
     assert (again / "manifest.json").read_bytes() == (artifacts_dir / "manifest.json").read_bytes()
