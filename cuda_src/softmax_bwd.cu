@@ -17,7 +17,7 @@ template <typename T> struct BwdRow {
   int c0, c1;  // chunks c0 <= c < c1 are whole 16-byte blocks inside the row (vector access)
 };
 
-template <typename T>
+template <typename T, bool AL>
 __device__ __forceinline__ BwdRow<T> smx_bwd_row(const T* dy, const T* y, T* dx, const SmxBwdParams& p,
                                                  smx_i64 row) {
   BwdRow<T> r;
@@ -34,7 +34,7 @@ __device__ __forceinline__ BwdRow<T> smx_bwd_row(const T* dy, const T* y, T* dx,
   r.dy = dy + (same ? oy : smx_row_offset(p.map_dy, row, small));
   r.y = y + oy;
   r.dx = dx + (same ? oy : smx_row_offset(p.map_dx, row, small));
-  if (p.flags & SMX_F_VEC) {
+  if (!AL && (p.flags & SMX_F_VEC)) {
     enum { N = Chunk<T>::N };
     r.ofs = (int)(((smx_u64)r.y & 15) / sizeof(T));
     r.c0 = r.ofs > 0;
@@ -58,7 +58,7 @@ __device__ __forceinline__ void smx_load_chunk(Chunk<T>& ch, const T* row, smx_i
   }
 }
 
-template <typename T, int NCH, int RPT>
+template <typename T, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_bwd_load(Chunk<T> (&cd)[RPT][NCH], Chunk<T> (&cy)[RPT][NCH],
                                              const BwdRow<T> (&rw)[RPT], int c0, int tpr, const SmxBwdParams& p,
                                              const T* dy, const T* y) {
@@ -71,6 +71,13 @@ __device__ __forceinline__ void smx_bwd_load(Chunk<T> (&cd)[RPT][NCH], Chunk<T> 
     for (int k = 0; k < NCH; ++k) {
       const int c = c0 + k * tpr;
       const int j0 = c * N - rw[r].ofs;
+      if (AL) {
+        if (j0 < sk) {
+          cd[r][k].raw = smx_ld16(rw[r].dy + j0);
+          cy[r][k].raw = smx_ld16(rw[r].y + j0);
+        }
+        continue;
+      }
       if (smx_in(c, rw[r].c0, rw[r].c1)) {
         cd[r][k].raw = smx_ld16(rw[r].dy + j0);
         cy[r][k].raw = smx_ld16(rw[r].y + j0);
@@ -83,7 +90,7 @@ __device__ __forceinline__ void smx_bwd_load(Chunk<T> (&cd)[RPT][NCH], Chunk<T> 
 }
 
 // Each row's partial dot product of dy and y over this thread's chunks (0 outside the row).
-template <typename T, int NCH, int RPT>
+template <typename T, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_bwd_dot(float (&dot)[RPT], const Chunk<T> (&cd)[RPT][NCH],
                                             const Chunk<T> (&cy)[RPT][NCH], const BwdRow<T> (&rw)[RPT], int c0,
                                             int tpr, int sk_) {
@@ -96,7 +103,7 @@ __device__ __forceinline__ void smx_bwd_dot(float (&dot)[RPT], const Chunk<T> (&
     for (int k = 0; k < NCH; ++k) {
       const int c = c0 + k * tpr;
       const int j0 = c * N - rw[r].ofs;
-      if (smx_in(c, rw[r].c0, rw[r].c1) || (j0 >= 0 && j0 + N <= sk)) {
+      if (AL ? j0 < sk : (smx_in(c, rw[r].c0, rw[r].c1) || (j0 >= 0 && j0 + N <= sk))) {
 #pragma unroll
         for (int e = 0; e < N; ++e) dot[r] = fmaf(smx_to_f32(cd[r][k].e[e]), smx_to_f32(cy[r][k].e[e]), dot[r]);
       } else {  // a chunk not wholly inside the row: rare
@@ -111,7 +118,7 @@ __device__ __forceinline__ void smx_bwd_dot(float (&dot)[RPT], const Chunk<T> (&
 }
 
 // dx of this thread's chunks, converting dy and y again from the raw chunks.
-template <typename T, int NCH, int RPT>
+template <typename T, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_bwd_store(const Chunk<T> (&cd)[RPT][NCH], const Chunk<T> (&cy)[RPT][NCH],
                                               const float (&dot)[RPT], const BwdRow<T> (&rw)[RPT], int c0, int tpr,
                                               const SmxBwdParams& p) {
@@ -132,7 +139,9 @@ __device__ __forceinline__ void smx_bwd_store(const Chunk<T> (&cd)[RPT][NCH], co
       }
       Chunk<T> ch;
       ch.raw = smx_pack_chunk<T>(o);
-      if (smx_in(c, rw[r].c0, rw[r].c1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
+      if (AL) {
+        if (j0 < p.sk) smx_st16(rw[r].dx + j0, ch.raw);
+      } else if (smx_in(c, rw[r].c0, rw[r].c1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
         smx_st16(rw[r].dx + j0, ch.raw);
       } else if (j0 < p.sk && j0 + N > 0) {
         smx_scatter<sizeof(T), 4>(rw[r].dx, p.sdx, ch.w, j0, p.sk, N);
@@ -153,7 +162,7 @@ __device__ __forceinline__ void smx_row_sum(float (&v)[RPT], int tpr, float (*re
   }
   __syncthreads();
   const int wpr = tpr >> 5;
-  const int first = warp & ~(wpr - 1);
+  const int first = tpr == (int)blockDim.x ? 0 : warp & ~(wpr - 1);  // the row's first warp
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     float t = red[r][first];
@@ -164,50 +173,48 @@ __device__ __forceinline__ void smx_row_sum(float (&v)[RPT], int tpr, float (*re
   }
 }
 
-template <typename T, int NCH, int RPT>
+template <typename T, int NCH, int RPT, bool AL>
 __global__ void __launch_bounds__(SMX_BLOCK)
 smx_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
   enum { N = Chunk<T>::N };
   __shared__ float red[RPT][SMX_BLOCK / 32];
-  const int tl = p.tpr_log2;
-  const int tpr = 1 << tl;
-  const int lane = threadIdx.x & (tpr - 1);
-  const int rpb = blockDim.x >> tl;
-  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + (threadIdx.x >> tl);
+  smx_rows_of_block rb(p.tpr_log2);
+  const int tpr = rb.tpr, lane = rb.lane, rpb = rb.rpb;
+  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + rb.first_row;
   BwdRow<T> rw[RPT];
 #pragma unroll
-  for (int r = 0; r < RPT; ++r) rw[r] = smx_bwd_row<T>(dy, y, dx, p, row0 + (smx_i64)r * rpb);
+  for (int r = 0; r < RPT; ++r) rw[r] = smx_bwd_row<T, AL>(dy, y, dx, p, row0 + (smx_i64)r * rpb);
   Chunk<T> cd[RPT][NCH], cy[RPT][NCH];
-  smx_bwd_load<T, NCH, RPT>(cd, cy, rw, lane, tpr, p, dy, y);
+  smx_bwd_load<T, NCH, RPT, AL>(cd, cy, rw, lane, tpr, p, dy, y);
   float dot[RPT];
-  smx_bwd_dot<T, NCH, RPT>(dot, cd, cy, rw, lane, tpr, p.sk);
+  smx_bwd_dot<T, NCH, RPT, AL>(dot, cd, cy, rw, lane, tpr, p.sk);
   smx_row_sum<RPT>(dot, tpr, red);
-  smx_bwd_store<T, NCH, RPT>(cd, cy, dot, rw, lane, tpr, p);
+  smx_bwd_store<T, NCH, RPT, AL>(cd, cy, dot, rw, lane, tpr, p);
 }
 
 template <typename T, int NCH>
-__global__ void __launch_bounds__(SMX_BLOCK)
+__global__ void __launch_bounds__(256)
 smx_bwd_loop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
   enum { N = Chunk<T>::N };
   __shared__ float red[1][SMX_BLOCK / 32];
   const int tpr = blockDim.x;
   const int lane = threadIdx.x;
   BwdRow<T> rw[1];
-  rw[0] = smx_bwd_row<T>(dy, y, dx, p, (smx_i64)blockIdx.x);
+  rw[0] = smx_bwd_row<T, false>(dy, y, dx, p, (smx_i64)blockIdx.x);
   const int seg = NCH * tpr;
   const int nall = (p.sk + rw[0].ofs + N - 1) / N;
   float dot[1] = {0.0f};
   for (int c0 = 0; c0 < nall; c0 += seg) {
     Chunk<T> cd[1][NCH], cy[1][NCH];
     float t[1];
-    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p, dy, y);
-    smx_bwd_dot<T, NCH, 1>(t, cd, cy, rw, c0 + lane, tpr, p.sk);
+    smx_bwd_load<T, NCH, 1, false>(cd, cy, rw, c0 + lane, tpr, p, dy, y);
+    smx_bwd_dot<T, NCH, 1, false>(t, cd, cy, rw, c0 + lane, tpr, p.sk);
     dot[0] += t[0];
   }
   smx_row_sum<1>(dot, tpr, red);
   for (int c0 = 0; c0 < nall; c0 += seg) {
     Chunk<T> cd[1][NCH], cy[1][NCH];
-    smx_bwd_load<T, NCH, 1>(cd, cy, rw, c0 + lane, tpr, p, dy, y);
-    smx_bwd_store<T, NCH, 1>(cd, cy, dot, rw, c0 + lane, tpr, p);
+    smx_bwd_load<T, NCH, 1, false>(cd, cy, rw, c0 + lane, tpr, p, dy, y);
+    smx_bwd_store<T, NCH, 1, false>(cd, cy, dot, rw, c0 + lane, tpr, p);
   }
 }

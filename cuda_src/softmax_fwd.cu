@@ -61,7 +61,7 @@ template <typename T, class M> struct FwdRow {
   int c0, c1, cs1;
 };
 
-template <typename T, class M>
+template <typename T, class M, bool AL>
 __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void* mask, const void* klen,
                                                     const SmxFwdParams& p, smx_i64 row) {
   typedef typename M::S S;
@@ -79,11 +79,11 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
   const smx_i64 ox = smx_row_offset(p.map_x, row, small);
   r.x = x + ox;
   r.y = y + ((p.flags & SMX_F_SAMEMAP) ? ox : smx_row_offset(p.map_y, row, small));
-  if (p.flags & SMX_F_VEC) r.ofs = (int)(((smx_u64)r.x & 15) / sizeof(T));
+  if (!AL && (p.flags & SMX_F_VEC)) r.ofs = (int)(((smx_u64)r.x & 15) / sizeof(T));
   if (M::PRESENT) {
     r.m += smx_row_offset(p.map_m, row, small);
     enum { MB = N * (int)sizeof(S) < 16 ? N * (int)sizeof(S) : 16 };
-    r.mvec = (p.flags & SMX_F_MVEC) && (((smx_u64)(r.m - r.ofs)) & (MB - 1)) == 0;
+    r.mvec = AL || ((p.flags & SMX_F_MVEC) && (((smx_u64)(r.m - r.ofs)) & (MB - 1)) == 0);
   }
   smx_i64 lim = p.sk;
   if (p.flags & SMX_F_KLEN) {
@@ -105,7 +105,7 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
 }
 
 // LOAD: chunks c0 + k * tpr + lane (k < NCH) of each row, raw.
-template <typename T, class M, int NCH, int RPT>
+template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
                                              const FwdRow<T, M> (&rw)[RPT], int c0, int tpr, const SmxFwdParams& p,
                                              const T* x, const typename M::S* m0) {
@@ -120,6 +120,13 @@ __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk
       const int c = c0 + k * tpr;
       const int j0 = c * N - rw[r].ofs;
       const int lim = rw[r].lim;
+      if (AL) {
+        if (j0 < lim) {
+          cx[r][k].raw = smx_ld16(rw[r].x + j0);
+          if (M::PRESENT) smx_load_bytes(cm[r][k].b, rw[r].m + j0);
+        }
+        continue;
+      }
       if (smx_in(c, rw[r].c0, rw[r].c1)) {
         cx[r][k].raw = smx_ld16(rw[r].x + j0);
         if (M::PRESENT) {
@@ -154,7 +161,7 @@ __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk
 }
 
 // VALUES: biased scores, -inf where hidden; and each row's max over this thread.
-template <typename T, class M, int NCH, int RPT>
+template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N], float (&mx)[RPT],
                                                const Chunk<T> (&cx)[RPT][NCH],
                                                const MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
@@ -170,7 +177,8 @@ __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N]
       const int lim = rw[r].lim;
 #pragma unroll
       for (int e = 0; e < N; ++e) v[r][k][e] = M::apply(smx_to_f32(cx[r][k].e[e]) * scale, cm[r][k].e[e]);
-      if (!smx_in(c, rw[r].c0, rw[r].c1) && !(j0 >= 0 && j0 + N <= lim)) {  // not wholly visible: rare
+      // Not wholly visible (rare): past the visible prefix, or a partial chunk.
+      if (AL ? j0 + N > lim : (!smx_in(c, rw[r].c0, rw[r].c1) && !(j0 >= 0 && j0 + N <= lim))) {
 #pragma unroll
         for (int e = 0; e < N; ++e) {
           const int j = j0 + e;
@@ -184,7 +192,7 @@ __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N]
 }
 
 // STORE: y = v * inv (v already exponentiated), every element of the row that exists.
-template <typename T, class M, int NCH, int RPT>
+template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_store(const float (&v)[RPT][NCH][Chunk<T>::N], const float (&inv)[RPT],
                                               const FwdRow<T, M> (&rw)[RPT], const bool (&act)[RPT], int c0,
                                               int tpr, const SmxFwdParams& p) {
@@ -202,7 +210,9 @@ __device__ __forceinline__ void smx_fwd_store(const float (&v)[RPT][NCH][Chunk<T
       for (int e = 0; e < N; ++e) o[e] = v[r][k][e] * inv[r];
       Chunk<T> ch;
       ch.raw = smx_pack_chunk<T>(o);
-      if (smx_in(c, rw[r].c0, rw[r].cs1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
+      if (AL) {
+        if (j0 < p.sk) smx_st16(rw[r].y + j0, ch.raw);
+      } else if (smx_in(c, rw[r].c0, rw[r].cs1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
         smx_st16(rw[r].y + j0, ch.raw);
       } else if (j0 < p.sk && j0 + N > 0) {
         smx_scatter<sizeof(T), 4>(rw[r].y, p.sy, ch.w, j0, p.sk, N);
@@ -233,7 +243,7 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   }
   __syncthreads();
   const int wpr = tpr >> 5;
-  const int first = warp & ~(wpr - 1);
+  const int first = tpr == (int)blockDim.x ? 0 : warp & ~(wpr - 1);  // the row's first warp
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     float M = -SMX_INF;
@@ -255,17 +265,15 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   }
 }
 
-template <typename T, class M, int NCH, int RPT>
+template <typename T, class M, int NCH, int RPT, bool AL>
 __global__ void __launch_bounds__(SMX_BLOCK)
 smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask, const void* __restrict__ klen,
         const SmxFwdParams p) {
   enum { N = Chunk<T>::N };
   __shared__ float red[RPT][2][SMX_BLOCK / 32];
-  const int tl = p.tpr_log2;
-  const int tpr = 1 << tl;
-  const int lane = threadIdx.x & (tpr - 1);
-  const int rpb = blockDim.x >> tl;
-  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + (threadIdx.x >> tl);
+  smx_rows_of_block rb(p.tpr_log2);
+  const int tpr = rb.tpr, lane = rb.lane, rpb = rb.rpb;
+  const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + rb.first_row;
 
   FwdRow<T, M> rw[RPT];
   bool act[RPT];
@@ -273,14 +281,14 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   for (int r = 0; r < RPT; ++r) {
     const smx_i64 row = row0 + (smx_i64)r * rpb;
     act[r] = row < p.rows;
-    rw[r] = smx_fwd_row<T, M>(x, y, mask, klen, p, row);
+    rw[r] = smx_fwd_row<T, M, AL>(x, y, mask, klen, p, row);
   }
   Chunk<T> cx[RPT][NCH];
   MaskChunk<M, N> cm[RPT][NCH];
-  smx_fwd_load<T, M, NCH, RPT>(cx, cm, rw, lane, tpr, p, x, (const typename M::S*)mask);
+  smx_fwd_load<T, M, NCH, RPT, AL>(cx, cm, rw, lane, tpr, p, x, (const typename M::S*)mask);
 
   float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
-  smx_fwd_values<T, M, NCH, RPT>(v, mx, cx, cm, rw, lane, tpr, p.scale);
+  smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
   smx_warp_allreduce<OpMax, RPT>(mx, tpr);
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
@@ -296,14 +304,14 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   }
   smx_warp_allreduce<OpSum, RPT>(s, tpr);
   smx_row_stats<RPT>(mx, s, fac, tpr, red);
-  smx_fwd_store<T, M, NCH, RPT>(v, fac, rw, act, lane, tpr, p);
+  smx_fwd_store<T, M, NCH, RPT, AL>(v, fac, rw, act, lane, tpr, p);
 }
 
 // Rows longer than a block holds: one block per row (blockDim = threads per row), the
 // row in segments of NCH chunks per thread.  Pass 1 keeps a running (max, sum) per
 // thread; pass 2 reloads each segment and writes it.
 template <typename T, class M, int NCH>
-__global__ void __launch_bounds__(SMX_BLOCK)
+__global__ void __launch_bounds__(256)
 smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
              const void* __restrict__ klen, const SmxFwdParams p) {
   enum { N = Chunk<T>::N };
@@ -312,7 +320,7 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
   const int lane = threadIdx.x;
   FwdRow<T, M> rw[1];
   const bool act[1] = {true};
-  rw[0] = smx_fwd_row<T, M>(x, y, mask, klen, p, (smx_i64)blockIdx.x);
+  rw[0] = smx_fwd_row<T, M, false>(x, y, mask, klen, p, (smx_i64)blockIdx.x);
   const int seg = NCH * tpr;                                 // chunks per segment
   const int nvis = (rw[0].lim + rw[0].ofs + N - 1) / N;      // chunks holding a visible key
   const int nall = (p.sk + rw[0].ofs + N - 1) / N;           // chunks of the row
@@ -322,8 +330,8 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     Chunk<T> cx[1][NCH];
     MaskChunk<M, N> cm[1][NCH];
     float v[1][NCH][N], mx[1];
-    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
-    smx_fwd_values<T, M, NCH, 1>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
+    smx_fwd_load<T, M, NCH, 1, false>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
+    smx_fwd_values<T, M, NCH, 1, false>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
     const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
     float t = 0.0f;
 #pragma unroll
@@ -345,12 +353,12 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     Chunk<T> cx[1][NCH];
     MaskChunk<M, N> cm[1][NCH];
     float v[1][NCH][N], mx[1];
-    smx_fwd_load<T, M, NCH, 1>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
-    smx_fwd_values<T, M, NCH, 1>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
+    smx_fwd_load<T, M, NCH, 1, false>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
+    smx_fwd_values<T, M, NCH, 1, false>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -mxl));
-    smx_fwd_store<T, M, NCH, 1>(v, fac, rw, act, c0 + lane, tpr, p);
+    smx_fwd_store<T, M, NCH, 1, false>(v, fac, rw, act, c0 + lane, tpr, p);
   }
 }

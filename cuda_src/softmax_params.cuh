@@ -37,7 +37,7 @@ typedef struct SmxFwdParams {
   smx_i64 span_x;  // elements from x to one past its last: whole 16-byte blocks inside are readable
   smx_i64 span_m;  // the same for the mask
   float scale;  // multiplies x before the mask
-  int tpr_log2;  // log2(threads per row)
+  int tpr_log2;  // log2(threads per row); a block narrower than that is one row
   SmxRowMap map_x;
   SmxRowMap map_y;
   SmxRowMap map_m;  // mask
@@ -55,7 +55,7 @@ typedef struct SmxBwdParams {
   smx_i64 span_dy;  // elements from dy to one past its last
   smx_i64 span_y;  // elements from y to one past its last
   float scale;  // dx = scale * y * (dy - sum(dy * y))
-  int tpr_log2;  // log2(threads per row)
+  int tpr_log2;  // log2(threads per row); a block narrower than that is one row
   SmxRowMap map_dy;
   SmxRowMap map_y;
   SmxRowMap map_dx;

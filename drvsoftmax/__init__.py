@@ -16,18 +16,21 @@ Mask semantics, with keys j along the last axis and queries i along the one befo
     key_lengths [B]     : keys j >= key_lengths[b] hidden (any integer dtype; clamped to [0, Sk])
 
 A row with no visible key is all zeros; a row whose scores hold NaN or +inf is NaN.
-CUDA torch tensors run the fused kernel; NumPy arrays and CPU tensors take a float64
-reference path with the same semantics.  Nothing here touches the GPU at import time.
+CUDA torch tensors, CuPy and Numba arrays and any CUDA array that speaks DLPack or
+``__cuda_array_interface__`` run the fused kernel; NumPy arrays and CPU tensors take a
+float64 reference path with the same semantics.  ``drvsoftmax.raw`` takes raw device
+pointers.  Nothing here touches the GPU at import time.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
 import numpy as np
 
-from . import _args, _reference
+from . import _args
 from ._errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -68,6 +71,53 @@ def _torch_front(x: object) -> Any:
     return None
 
 
+def _door(x: object, name: str) -> Any:
+    """The door of a non-torch array: a module with ``forward`` and ``backward``.
+
+    The one dispatch point: NumPy arrays take the reference path; JAX arrays their own
+    door (tried first, before the generic intake would read them through DLPack); every
+    other object the intake reads (CuPy, Numba, DLPack and CUDA-array-interface
+    producers) the GPU array door.
+    """
+    if isinstance(x, np.ndarray):
+        from . import _numpy
+
+        return _numpy
+    if type(x).__module__.startswith("jax"):
+        door = _jax_door()
+        if door is not None:
+            return door
+    arrays = _arrays_door or _load_arrays_door()
+    if arrays._intake.kind(x):
+        return arrays
+    raise arg_type_error(
+        name,
+        "a torch.Tensor, a NumPy array or a CUDA array (__dlpack__ or __cuda_array_interface__)",
+        type(x).__name__,
+    )
+
+
+_arrays_door: Any = None  # drvsoftmax._arrays, once imported
+
+
+def _load_arrays_door() -> Any:
+    global _arrays_door
+    from . import _arrays
+
+    _arrays_door = _arrays
+    return _arrays
+
+
+def _jax_door() -> Any:
+    """drvsoftmax._jax where it exists (None: JAX arrays go through the generic intake)."""
+    try:
+        return importlib.import_module(f"{__name__}._jax")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}._jax":
+            raise
+        return None
+
+
 def scaled_masked_softmax(
     x: Any,
     mask: Any = None,
@@ -81,8 +131,10 @@ def scaled_masked_softmax(
     """``softmax(x * scale + bias, axis=-1)``, fused, with every mask source combined.
 
     Args:
-        x: [..., Sk] scores; float16, bfloat16 or float32 (float64 on the CPU path).
-            Leading dims may have any strides; nothing is copied.
+        x: [..., Sk] scores; float16, bfloat16 or float32 (float64 on the CPU path): a
+            torch.Tensor, a NumPy array, a CuPy or Numba device array, or any CUDA array
+            that speaks DLPack (``__dlpack__``/``__dlpack_device__``) or
+            ``__cuda_array_interface__``.  Leading dims may have any strides; nothing is copied.
         mask: optional, broadcastable to x.shape ([B,1,Sq,Sk], [1,1,Sq,Sk], [Sq,Sk],
             [B,1,1,Sk], ...). bool/integer: nonzero hides. float: added; -inf hides.
         scale: finite real multiplier applied to x before the mask (0 and negatives too).
@@ -91,12 +143,16 @@ def scaled_masked_softmax(
             Any integer dtype on every path (int32/int64 are read directly on the GPU,
             others are converted there first: B elements); values clamp to [0, Sk].
         out: optional destination of x's shape and dtype; ``out=x`` works in place.  Any
-            other overlap of out with x, mask or key_lengths is refused.
+            other overlap of out with x, mask or key_lengths is refused, as is a read-only
+            out.  Required for CUDA arrays of libraries other than CuPy and Numba.
         stream: None for the framework's current stream, else a CUstream, an int handle,
-            or an object with ``__cuda_stream__`` (checked on the CPU paths too).
+            or an object with ``__cuda_stream__`` (checked on the CPU paths too).  The
+            launch waits, without a host sync, for the stream each input's producer names
+            (DLPack: the producer is given this stream; ``__cuda_array_interface__`` v3:
+            its ``stream`` entry; CuPy: its current stream).
 
     Returns y of x's dtype and array type: a torch.Tensor (with autograd), a CuPy or Numba
-    device array, or a NumPy array.
+    device array, a NumPy array, or ``out``.
     """
     front = _tfront
     if front is None or not isinstance(x, front.Tensor):
@@ -105,15 +161,7 @@ def scaled_masked_softmax(
         return front.scaled_masked_softmax(
             x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out, stream=stream
         )
-    if isinstance(x, np.ndarray):
-        return _numpy_forward(x, mask, scale, causal, key_lengths, out, stream)
-    if hasattr(x, "__cuda_array_interface__"):  # CuPy, Numba, ...
-        from . import _cai
-
-        return _cai.forward(x, mask, scale, causal, key_lengths, out, stream)
-    raise arg_type_error(
-        "x", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(x).__name__
-    )
+    return _door(x, "x").forward(x, mask, scale, causal, key_lengths, out, stream)
 
 
 def scaled_masked_softmax_backward(dy: Any, y: Any, *, scale: float = 1.0, out: Any = None, stream: Any = None) -> Any:
@@ -128,15 +176,7 @@ def scaled_masked_softmax_backward(dy: Any, y: Any, *, scale: float = 1.0, out: 
         front = _torch_front(y)
     if front is not None:
         return front.scaled_masked_softmax_backward(dy, y, scale=scale, out=out, stream=stream)
-    if isinstance(y, np.ndarray):
-        return _numpy_backward(dy, y, scale, out, stream)
-    if hasattr(y, "__cuda_array_interface__"):
-        from . import _cai
-
-        return _cai.backward(dy, y, scale, out, stream)
-    raise arg_type_error(
-        "y", "a torch.Tensor, a NumPy array or a CUDA array (__cuda_array_interface__)", type(y).__name__
-    )
+    return _door(y, "y").backward(dy, y, scale, out, stream)
 
 
 def _dtype_arg(v: object) -> str:
@@ -181,98 +221,9 @@ def explain(
         return f"no kernel: x of shape {shape} is empty (the result is returned without a launch)"
     itemsize = _plan.X_DTYPES[dt][1]
     contig = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
-    vec = _core._vector_ok(itemsize, [_core.Operand(0, dt, shape, contig)], shape[:-1])
+    ops = [_core.Operand(0, dt, shape, contig)]
+    vec = _core._vector_ok(itemsize, ops, shape[:-1])
+    ra = _core.rows_aligned(ops, shape[:-1], _core.CHUNK_ELEMS[itemsize])
     if backward:
-        return _plan.plan_backward(rows, shape[-1], dt, vec).describe()
-    return _plan.plan_forward(rows, shape[-1], dt, kind, vec).describe()
-
-
-# ----------------------------------------------------------------------------------
-# NumPy: the reference path.
-
-
-def _np_region(name: str, a: np.ndarray) -> _args.Region | None:
-    return _args.region_bytes(name, int(a.__array_interface__["data"][0]), a.shape, a.strides, a.itemsize)
-
-
-def _check_np_out(out: np.ndarray) -> None:
-    if not out.flags.writeable:
-        raise arg_value_error("out", "a writable array", "a read-only array")
-    # Element strides for the overlap test (a stride that is no whole number of elements
-    # cannot step onto another element's start, so its floor is conservative enough).
-    _args.check_out_strides(out.shape, tuple(s // max(out.itemsize, 1) for s in out.strides))
-
-
-def _np_lengths(key_lengths: object) -> np.ndarray:
-    if isinstance(key_lengths, np.ndarray):
-        return key_lengths
-    if isinstance(key_lengths, (list, tuple)):
-        return _args.lengths_array(key_lengths)
-    raise arg_type_error(
-        "key_lengths",
-        "a NumPy integer array, a list or tuple of integers of shape [B] (or None)",
-        type(key_lengths).__name__,
-    )
-
-
-def _numpy_forward(
-    x: np.ndarray, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: Any
-) -> np.ndarray:
-    scale = _args.check_scale(scale)
-    causal = _args.check_causal(causal)
-    _args.check_stream(stream)
-    _args.check_x(x.shape, x.dtype.name, _args.X_DTYPES_CPU, "on the CPU path")
-    if mask is not None:
-        if not isinstance(mask, np.ndarray):
-            raise arg_type_error("mask", "a numpy.ndarray like x (or None)", type(mask).__name__)
-        _args.check_mask_dtype(mask.dtype.name)
-        _args.check_broadcast(mask.shape, x.shape)
-    _args.check_causal_shape(causal, x.shape)
-    kl = None
-    if key_lengths is not None:
-        kl = _np_lengths(key_lengths)
-        _args.check_key_lengths(kl.shape, kl.dtype.name, x.shape)
-    if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise arg_type_error("out", "a numpy.ndarray like x (or None)", type(out).__name__)
-        _args.check_out(out.shape, out.dtype.name, x.shape, x.dtype.name)
-        _check_np_out(out)
-        _args.check_no_overlap(
-            _np_region("out", out),
-            (
-                _np_region("x", x),
-                None if mask is None else _np_region("mask", mask),
-                None if kl is None else _np_region("key_lengths", kl),
-            ),
-            in_place=("x",),
-        )
-    y = _reference.softmax_forward(x, mask, scale, causal, kl).astype(x.dtype)
-    if out is None:
-        return y
-    dst: np.ndarray = out
-    dst[...] = y
-    return dst
-
-
-def _numpy_backward(dy: Any, y: np.ndarray, scale: Any, out: Any, stream: Any) -> np.ndarray:
-    scale = _args.check_scale(scale)
-    _args.check_stream(stream)
-    _args.check_x(y.shape, y.dtype.name, _args.X_DTYPES_CPU, "on the CPU path", "y")
-    if not isinstance(dy, np.ndarray):
-        raise arg_type_error("dy", "a numpy.ndarray like y", type(dy).__name__)
-    if dy.shape != y.shape or dy.dtype != y.dtype:
-        raise arg_value_error(
-            "dy", f"of y's shape {y.shape} and dtype {y.dtype}", f"shape {dy.shape}, dtype {dy.dtype}"
-        )
-    if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise arg_type_error("out", "a numpy.ndarray like y (or None)", type(out).__name__)
-        _args.check_out(out.shape, out.dtype.name, y.shape, y.dtype.name, "y")
-        _check_np_out(out)
-        _args.check_no_overlap(_np_region("out", out), (_np_region("dy", dy), _np_region("y", y)), in_place=("dy", "y"))
-    dx = _reference.softmax_backward(dy, y, scale).astype(y.dtype)
-    if out is None:
-        return dx
-    dst: np.ndarray = out
-    dst[...] = dx
-    return dst
+        return _plan.plan_backward(rows, shape[-1], dt, vec, ra).describe()
+    return _plan.plan_forward(rows, shape[-1], dt, kind, vec, ra).describe()

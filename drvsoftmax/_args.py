@@ -10,54 +10,28 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from . import _dtypes
 from ._errors import arg_type_error, arg_value_error
 
+if TYPE_CHECKING:
+    from ._core import Operand
+
 FLT_MAX = 3.4028234663852886e38
-X_DTYPES_GPU = ("float16", "bfloat16", "float32")
-X_DTYPES_CPU = X_DTYPES_GPU + ("float64",)
-MASK_DTYPES = (
-    "bool",
-    "int8",
-    "uint8",
-    "int16",
-    "uint16",
-    "int32",
-    "uint32",
-    "int64",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
 # key_lengths: any integer dtype on every path.  The kernels read int32 and int64; the GPU
 # front doors convert the other integer dtypes to one of those first (B elements, on the
 # launch stream), keeping every value's meaning (values clamp to [0, Sk]).
-INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
-KLEN_KERNEL_DTYPES = ("int32", "int64")
-ITEMSIZE = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-}
+X_DTYPES_GPU, X_DTYPES_CPU, MASK_DTYPES = _dtypes.X_DTYPES_GPU, _dtypes.X_DTYPES_CPU, _dtypes.MASK_DTYPES
+INT_DTYPES, KLEN_KERNEL_DTYPES, ITEMSIZE = _dtypes.INT_DTYPES, _dtypes.KLEN_KERNEL_DTYPES, _dtypes.ITEMSIZE
 STREAM_MAX = 2**64 - 1  # a stream handle is a pointer
 
 
 def check_scale(scale: object) -> float:
+    if type(scale) is float and -FLT_MAX <= scale <= FLT_MAX:  # the common case, quickly (NaN fails)
+        return scale
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise arg_type_error("scale", "a real number", f"{type(scale).__name__} {scale!r}")
     if isinstance(scale, numbers.Integral) and abs(int(scale)) > FLT_MAX:  # 10**400 would overflow float()
@@ -93,6 +67,8 @@ def check_x(shape: tuple[int, ...], dtype: str, allowed: tuple[str, ...], where:
 
 def check_shape_arg(name: str, shape: object) -> tuple[int, ...]:
     """A shape given as a value (explain's x_shape): a sequence of non-negative integers."""
+    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
+        return shape
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
         raise arg_type_error(name, "a sequence of non-negative integers", f"{type(shape).__name__} {shape!r}")
     dims = list(shape)
@@ -186,6 +162,153 @@ def check_out_strides(shape: tuple[int, ...], strides: tuple[int, ...], name: st
 
 
 # ----------------------------------------------------------------------------------
+# One call's checks, the same for every door that describes its arrays as Operands
+# (NumPy, CUDA arrays, raw pointers): each door reads its arrays (refusing objects of the
+# wrong kind by name) and hands their metadata here.  Device checks stay with the doors.
+
+
+_checked: set[tuple[object, ...]] = set()  # metadata that passed the checks below
+
+
+def check_forward_call(
+    x: Operand,
+    mask: Operand | None,
+    klen: Operand | None,
+    out: Operand | None,
+    scale: object,
+    causal: object,
+    allowed: tuple[str, ...] = X_DTYPES_GPU,
+    where: str = "on the GPU",
+    out_readonly: bool = False,
+) -> tuple[float, bool]:
+    """Every argument check of a forward call; returns (scale, causal) as float and bool.
+
+    The checks on metadata alone (dtypes, shapes, strides) run once per combination seen;
+    the overlap of out with the inputs, which depends on pointers, on every call."""
+    s = check_scale(scale)
+    c = causal if causal is True or causal is False else check_causal(causal)
+    key = (
+        "f",
+        x.dtype,
+        x.shape,
+        None if mask is None else (mask.dtype, mask.shape),
+        None if klen is None else (klen.dtype, klen.shape),
+        None if out is None else (out.dtype, out.shape, out.strides, out_readonly),
+        c,
+        allowed,
+    )
+    if key not in _checked:
+        check_x(x.shape, x.dtype, allowed, where)
+        if mask is not None:
+            check_mask_dtype(mask.dtype)
+            check_broadcast(mask.shape, x.shape)
+        check_causal_shape(c, x.shape)
+        if klen is not None:
+            check_key_lengths(klen.shape, klen.dtype, x.shape)
+        if out is not None:
+            if out_readonly:
+                raise arg_value_error("out", "a writable array", "a read-only array")
+            check_out(out.shape, out.dtype, x.shape, x.dtype)
+            check_out_strides(out.shape, out.strides)
+        _remember_checked(key)
+    if out is not None and _may_overlap(out, (x, mask, klen)):
+        check_no_overlap(
+            operand_region("out", out),
+            (operand_region("x", x), operand_region("mask", mask), operand_region("key_lengths", klen)),
+            in_place=("x",),
+        )
+    return s, c
+
+
+def check_backward_call(
+    dy: Operand,
+    y: Operand,
+    out: Operand | None,
+    scale: object,
+    allowed: tuple[str, ...] = X_DTYPES_GPU,
+    where: str = "on the GPU",
+    out_readonly: bool = False,
+) -> float:
+    """Every argument check of a backward call; returns scale as a float."""
+    s = check_scale(scale)
+    key = (
+        "b",
+        y.dtype,
+        y.shape,
+        dy.dtype,
+        dy.shape,
+        None if out is None else (out.dtype, out.shape, out.strides, out_readonly),
+        allowed,
+    )
+    if key not in _checked:
+        check_x(y.shape, y.dtype, allowed, where, "y")
+        if dy.shape != y.shape or dy.dtype != y.dtype:
+            raise arg_value_error(
+                "dy", f"of y's shape {y.shape} and dtype {y.dtype}", f"shape {dy.shape}, dtype {dy.dtype}"
+            )
+        if out is not None:
+            if out_readonly:
+                raise arg_value_error("out", "a writable array", "a read-only array")
+            check_out(out.shape, out.dtype, y.shape, y.dtype, "y")
+            check_out_strides(out.shape, out.strides)
+        _remember_checked(key)
+    if out is not None and _may_overlap(out, (dy, y)):
+        check_no_overlap(
+            operand_region("out", out), (operand_region("dy", dy), operand_region("y", y)), in_place=("dy", "y")
+        )
+    return s
+
+
+def _remember_checked(key: tuple[object, ...]) -> None:
+    if len(_checked) > 4096:
+        _checked.clear()
+    _checked.add(key)
+
+
+_forms: dict[tuple[tuple[int, ...], tuple[int, ...], int], tuple[int, int, tuple[int, ...]] | None] = {}
+
+
+def _may_overlap(out: Operand, reads: tuple[Operand | None, ...]) -> bool:
+    """The byte ranges of out and some input meet (then `check_no_overlap` decides)."""
+    f = _form(out)
+    if f is None:
+        return False
+    lo, hi = out.ptr + f[0], out.ptr + f[1]
+    for r in reads:
+        if r is not None:
+            g = _form(r)
+            if g is not None and r.ptr + g[0] < hi and lo < r.ptr + g[1]:
+                return True
+    return False
+
+
+def _form(op: Operand) -> tuple[int, int, tuple[int, ...]] | None:
+    """(first byte, last byte + 1, normalised byte strides) of op's layout from its
+    pointer; None when it has no elements.  Cached by layout."""
+    item = ITEMSIZE.get(op.dtype, 1)
+    fkey = (op.shape, op.strides, item)
+    form = _forms.get(fkey)
+    if form is None and fkey not in _forms:
+        r = region("", 0, op.shape, op.strides, item)
+        form = None if r is None else (r.lo, r.hi, r.layout[2])
+        if len(_forms) > 4096:
+            _forms.clear()
+        _forms[fkey] = form
+    return form
+
+
+def operand_region(name: str, op: Operand | None) -> Region | None:
+    """`region` of an Operand (strides in elements), its layout's extent cached."""
+    if op is None:
+        return None
+    form = _form(op)
+    if form is None:
+        return None
+    p = op.ptr
+    return Region(name, p + form[0], p + form[1], (p, op.shape, form[2], ITEMSIZE.get(op.dtype, 1)))
+
+
+# ----------------------------------------------------------------------------------
 # Memory overlap of the written array with the read ones.
 
 
@@ -260,6 +383,8 @@ def check_no_overlap(out: Region | None, reads: Iterable[Region | None], in_plac
 def stream_handle(stream: object) -> int:
     """The raw handle of a stream given as an int, a CUstream, a torch/CuPy/Numba stream
     object or anything with ``__cuda_stream__``."""
+    if type(stream) is int and 0 <= stream <= STREAM_MAX:  # the common case, quickly
+        return stream
     if isinstance(stream, (bool, np.bool_)) or stream is None:
         raise arg_type_error("stream", "a CUstream, an int handle or a stream object", repr(stream))
     if isinstance(stream, (int, np.integer)):

@@ -12,7 +12,7 @@ import ctypes
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _params, _plan
+from . import _dtypes, _params, _plan
 from ._errors import arg_type_error, arg_value_error, check
 
 if TYPE_CHECKING:
@@ -24,22 +24,8 @@ F_CAUSAL, F_KLEN, F_KLEN64, F_VEC, F_MVEC, F_SMALL, F_SAMEMAP = (
 )
 MAX_SK = 2**31 - 1  # row-internal indices are 32-bit in the kernels
 
-MASK_KIND_OF_DTYPE = {
-    "bool": "hide1",
-    "int8": "hide1",
-    "uint8": "hide1",
-    "int16": "hide2",
-    "uint16": "hide2",
-    "int32": "hide4",
-    "uint32": "hide4",
-    "int64": "hide8",
-    "uint64": "hide8",
-    "float16": "add_float16",
-    "bfloat16": "add_bfloat16",
-    "float32": "add_float32",
-    "float64": "add_float64",
-}
-KLEN_DTYPES = ("int32", "int64")
+MASK_KIND_OF_DTYPE = _dtypes.MASK_KIND_OF_DTYPE
+KLEN_DTYPES = _dtypes.KLEN_KERNEL_DTYPES
 
 
 class Operand(NamedTuple):
@@ -222,14 +208,23 @@ def prepare_forward(
     causal: bool,
     scale: float,
     aligned: bool,
+    mask_aligned: bool = False,
 ) -> Prepared:
-    """`aligned`: x and y are 16-byte aligned (the kernels check each mask row's own alignment)."""
-    values, plan = forward_params(x, y, mask, klen, causal, scale, aligned)
+    """`aligned`: x and y are 16-byte aligned; `mask_aligned`: so is the mask (it lets the
+    whole-chunk kernels run; without it the general kernels check each mask row)."""
+    values, plan = forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned)
     return Prepared(dev, plan, _params.FWD.pack(values), 5)
 
 
 def forward_params(
-    x: Operand, y: Operand, mask: Operand | None, klen: Operand | None, causal: bool, scale: float, aligned: bool
+    x: Operand,
+    y: Operand,
+    mask: Operand | None,
+    klen: Operand | None,
+    causal: bool,
+    scale: float,
+    aligned: bool,
+    mask_aligned: bool = False,
 ) -> tuple[dict[str, Any], _plan.LaunchPlan]:
     """The SmxFwdParams fields (by C name) and the launch plan of a forward."""
     shape = tuple(x.shape)
@@ -249,6 +244,8 @@ def forward_params(
     if mx == my:
         flags |= F_SAMEMAP
     mask_kind = "none"
+    mask_whole = True
+    itemsize = _plan.X_DTYPES[x.dtype][1]
     if mask is not None:
         mst = broadcast_strides("mask", tuple(mask.shape), tuple(mask.strides), shape)
         v["sm"] = mst[-1]
@@ -257,6 +254,15 @@ def forward_params(
         mask_kind = MASK_KIND_OF_DTYPE[mask.dtype]
         if mst[-1] == 1:
             flags |= F_MVEC
+        # Whole-chunk kernels read a mask chunk (the keys of one 16-byte chunk of x) with
+        # one access: unit key stride, every row on that access's alignment.
+        mbytes = _plan.MASK_ITEMSIZE[mask_kind]
+        width = min(16, CHUNK_ELEMS[itemsize] * mbytes)
+        mask_whole = (
+            mask_aligned
+            and (mst[-1] == 1 or sk == 1)
+            and all(n == 1 or (st * mbytes) % width == 0 for n, st in zip(lead, mst[:-1]))
+        )
     if klen is not None:
         v.update(_map_fields("map_k", row_map(lead, (klen.strides[0],) + (0,) * (nd - 2)), small))
         flags |= F_KLEN | (F_KLEN64 if klen.dtype == "int64" else 0)
@@ -264,11 +270,11 @@ def forward_params(
         v.update(_map_fields("map_q", row_map(lead, (0,) * (nd - 2) + (1,)), small))
         v["causal_shift"] = sk - shape[-2]
         flags |= F_CAUSAL
-    itemsize = _plan.X_DTYPES[x.dtype][1]
     vec = aligned and _vector_ok(itemsize, [x, y], lead)
     if vec:
         flags |= F_VEC
-    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, rows_aligned([x, y], lead, CHUNK_ELEMS[itemsize]))
+    ra = rows_aligned([x, y], lead, CHUNK_ELEMS[itemsize])
+    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, ra, mask_whole)
     v["flags"] = flags
     v["tpr_log2"] = plan.tpr_log2
     return v, plan
@@ -426,6 +432,7 @@ def forward(
 ) -> None:
     """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
     aligned = not ((x.ptr | y.ptr) & 15)
+    mask_aligned = mask is None or not (mask.ptr & 15)
     key = (
         dev.ordinal,
         x.dtype,
@@ -437,11 +444,12 @@ def forward(
         causal,
         scale,
         aligned,
+        mask_aligned,
     )
     prep = _cache.get(key)
     if prep is None:
         check_forward(x, y, mask, klen, causal)
-        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned))
+        prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned, mask_aligned))
     launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
 
 

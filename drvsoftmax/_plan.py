@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import _dtypes
+
 # Storage dtypes of x / y / dy: name -> (C++ type, bytes).
-X_DTYPES = {
-    "float16": ("smx_f16", 2),
-    "bfloat16": ("smx_bf16", 2),
-    "float32": ("float", 4),
-}
+X_DTYPES = _dtypes.KERNEL_CTYPES
 
 # Mask sources: kind -> C++ VALUES step.  Integer and boolean masks only need their
 # width (nonzero hides); floating masks are added.
@@ -37,47 +35,97 @@ MASK_KINDS = {
     "add_float64": "MaskAdd<double>",
 }
 
+# Bytes of one mask element, by kind.
+MASK_ITEMSIZE = {
+    "none": 1,
+    "hide1": 1,
+    "hide2": 2,
+    "hide4": 4,
+    "hide8": 8,
+    "add_float16": 2,
+    "add_bfloat16": 2,
+    "add_float32": 4,
+    "add_float64": 8,
+}
+
 CHUNK_BYTES = 16  # one vector access
-BLOCK = 256  # SMX_BLOCK: the largest block, and the threads per row of the widest rows
+BLOCK = 256  # the block of rows wider than a warp (a row of up to 512 threads gets its own)
+MAX_BLOCK = 512  # SMX_BLOCK: rows of 512 threads (kernels of at most 8 chunks per thread)
 SMALL_BLOCK = 128  # block of rows of at most 32 threads
 LOOP_NCH = 4  # chunks per thread and segment of the looped tier
 MAX_GRID = 2**31 - 1
 
-# The register tier, by chunks per row C (rows of C chunks fit when C <= limit).
+# The register tier, by chunks per row C (rows of C chunks fit when C <= limit).  Every
+# row has a whole-chunk kernel (AL: every row of every operand is whole 16-byte chunks, the
+# common case) and a general one (rows off the 16-byte grid, strided rows, rare masks).
 #   limit   NCH  RPT  threads per row      why
 FWD_TABLE = (
-    (64, 2, 2, "C/2"),  # Sk <= 512 (16-bit), <= 256 (fp32): 2 rows x 2 chunks, rows within a warp
-    (2048, 8, 1, "C/8"),  # <= 16384 (16-bit): 8..256 threads x 8 chunks (64 values per thread)
-    (4096, 16, 1, "C/16"),  # fp32 <= 16384: 256 threads x 16 chunks (64 values per thread)
+    (64, 2, 1, "C/2"),  # Sk <= 512 (16-bit), <= 256 (fp32): rows within a warp
+    (2048, 4, 1, "C/4"),  # <= 16384 (16-bit): 17..512 threads x 4 chunks (32 values per thread)
+    (4096, 8, 1, "C/8"),  # fp32 <= 16384: 257..512 threads x 8 chunks
 )
-BWD_TABLE = FWD_TABLE  # dy and y: twice the loads in flight, the values are not kept
-# NCH 16 is instantiated for fp32 only: 16-bit rows of 4096 chunks (32768 elements) would
-# hold 128 values per thread; they take the looped tier.
-FP32_ONLY_NCH = 16
+BWD_TABLE = (
+    (64, 2, 2, "C/2"),  # dy and y: 2 rows x 2 chunks, twice the loads in flight
+    (2048, 4, 1, "C/4"),
+    (4096, 8, 1, "C/8"),
+)
+# The register tier holds rows of up to 16384 elements: 4096 fp32 chunks, 2048 16-bit ones
+# (longer 16-bit rows would hold 64 values per thread in 512 threads; they take the looped
+# tier).
+MAX_CHUNKS = {2: 2048, 4: 4096}
 
 
 def _configs(table: tuple[tuple[int, int, int, str], ...], itemsize: int) -> list[tuple[int, int, int, str]]:
-    return [row for row in table if row[1] != FP32_ONLY_NCH or itemsize == 4]
+    """The rows of a table a dtype uses, the last one capped at the register tier's limit."""
+    cap = MAX_CHUNKS[itemsize]
+    out = []
+    for limit, nch, rpt, rule in table:
+        out.append((min(limit, cap), nch, rpt, rule))
+        if limit >= cap:
+            break
+    return out
 
 
 def _t(dtype: str) -> str:
     return X_DTYPES[dtype][0]
 
 
-def kernel_fwd(dtype: str, mask_kind: str, nch: int, rpt: int) -> str:
-    return f"smx_fwd<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}, {rpt}>"
+def _b(al: bool) -> str:
+    return "true" if al else "false"
+
+
+def kernel_fwd(dtype: str, mask_kind: str, nch: int, rpt: int, al: bool = False) -> str:
+    return f"smx_fwd<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}, {rpt}, {_b(al)}>"
 
 
 def kernel_fwd_loop(dtype: str, mask_kind: str) -> str:
     return f"smx_fwd_loop<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {LOOP_NCH}>"
 
 
-def kernel_bwd(dtype: str, nch: int, rpt: int) -> str:
-    return f"smx_bwd<{_t(dtype)}, {nch}, {rpt}>"
+def kernel_bwd(dtype: str, nch: int, rpt: int, al: bool = False) -> str:
+    return f"smx_bwd<{_t(dtype)}, {nch}, {rpt}, {_b(al)}>"
 
 
 def kernel_bwd_loop(dtype: str) -> str:
     return f"smx_bwd_loop<{_t(dtype)}, {LOOP_NCH}>"
+
+
+def al_mask_kinds(dtype: str) -> tuple[str, ...]:
+    """Mask kinds with whole-chunk (AL) kernels: none, bool / 8-bit integer masks, an
+    additive mask of x's own dtype.  Other kinds always run the general kernels."""
+    return ("none", "hide1", f"add_{dtype}")
+
+
+def _fwd_names(dt: str, mk: str, item: int) -> list[str]:
+    names = [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
+    if mk in al_mask_kinds(dt):
+        names += [kernel_fwd(dt, mk, nch, rpt, True) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
+    return names
+
+
+def _bwd_names(dt: str, item: int) -> list[str]:
+    names = [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
+    return names + [kernel_bwd(dt, nch, rpt, True) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
 
 
 def all_kernel_names() -> list[str]:
@@ -85,9 +133,9 @@ def all_kernel_names() -> list[str]:
     names = []
     for dt, (_, item) in X_DTYPES.items():
         for mk in MASK_KINDS:
-            names += [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
+            names += _fwd_names(dt, mk, item)
             names.append(kernel_fwd_loop(dt, mk))
-        names += [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
+        names += _bwd_names(dt, item)
         names.append(kernel_bwd_loop(dt))
     return names
 
@@ -106,8 +154,8 @@ def packaged_kernel_names() -> list[str]:
     names = []
     for dt, (_, item) in X_DTYPES.items():
         for mk in packaged_mask_kinds(dt):
-            names += [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in _configs(FWD_TABLE, item)]
-        names += [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
+            names += _fwd_names(dt, mk, item)
+        names += _bwd_names(dt, item)
     return names
 
 
@@ -122,12 +170,19 @@ class LaunchPlan:
     rpt: int  # rows per thread
     vector: bool  # 16-byte accesses
     reason: str  # which table row chose it
+    whole: bool = False  # every row of every operand is whole 16-byte chunks (AL kernel)
+
+    @property
+    def tpr(self) -> int:
+        """Threads per row: 2^tpr_log2, or the whole block where that is larger."""
+        return min(1 << self.tpr_log2, self.block)
 
     def describe(self) -> str:
         return (
             f"{self.tier} tier: {self.kernel}, grid {self.grid} x block {self.block}, "
-            f"{1 << self.tpr_log2} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
-            f"{'16-byte vector' if self.vector else 'element-wise'} access; {self.reason}"
+            f"{self.tpr} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
+            f"{'16-byte vector' if self.vector else 'element-wise'} access"
+            f"{', whole-chunk rows' if self.whole else ''}; {self.reason}"
         )
 
 
@@ -147,17 +202,23 @@ def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
 
 
 def choose_shape(
-    rows: int, sk: int, itemsize: int, backward: bool = False, aligned_rows: bool = True
+    rows: int, sk: int, itemsize: int, backward: bool = False, aligned_rows: bool = True, whole: bool = False
 ) -> tuple[str, int, int, int, int, int, str]:
-    """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements."""
+    """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements;
+    `whole`: every row is whole 16-byte chunks (the AL kernels' table)."""
     chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
     table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize)
     for limit, nch, rpt, rule in table:
         if chunks <= limit:
-            t = _log2_ceil(_ceil_div(chunks, nch))
-            block = SMALL_BLOCK if (1 << t) <= 32 else BLOCK
-            block = max(block, 1 << t)
-            rows_per_block = (block >> t) * rpt
+            need = _ceil_div(chunks, nch)
+            t = _log2_ceil(need)
+            if (1 << t) <= 32:
+                block = SMALL_BLOCK
+            elif (1 << t) == _ceil_div(need, 32) * 32:
+                block = max(BLOCK, 1 << t)
+            else:  # a block of whole warps is one row (the kernel takes the whole block)
+                block = _ceil_div(need, 32) * 32
+            rows_per_block = max(block >> t, 1) * rpt
             grid = _ceil_div(rows, rows_per_block)
             why = f"{chunks} chunks per row <= {limit}: {nch} chunk(s) x {rpt} row(s) per thread, tpr = {rule}"
             return "register", nch, rpt, t, block, grid, why
@@ -174,15 +235,35 @@ def _check_grid(grid: int) -> int:
     return grid
 
 
-def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
+def whole_chunks(sk: int, itemsize: int, vector: bool, aligned_rows: bool) -> bool:
+    """Every row is whole 16-byte chunks: vector access, rows on the chunk grid, and Sk a
+    whole number of chunks (so no access reaches past a row)."""
+    return vector and aligned_rows and sk % (CHUNK_BYTES // itemsize) == 0
+
+
+def plan_forward(
+    rows: int,
+    sk: int,
+    dtype: str,
+    mask_kind: str,
+    vector: bool,
+    aligned_rows: bool = True,
+    mask_whole: bool = True,
+) -> LaunchPlan:
+    """`mask_whole`: the mask (if any) is read a chunk at a time, each of its rows on the
+    grid of its chunk width (the host checks its pointer, strides and unit key stride)."""
     item = X_DTYPES[dtype][1]
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows or not vector)
-    name = kernel_fwd(dtype, mask_kind, nch, rpt) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
-    return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason)
+    whole = whole_chunks(sk, item, vector, aligned_rows) and mask_whole and mask_kind in al_mask_kinds(dtype)
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows or not vector, whole)
+    whole = whole and tier == "register"
+    name = kernel_fwd(dtype, mask_kind, nch, rpt, whole) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
+    return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason, whole)
 
 
 def plan_backward(rows: int, sk: int, dtype: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
     item = X_DTYPES[dtype][1]
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows or not vector)
-    name = kernel_bwd(dtype, nch, rpt) if tier == "register" else kernel_bwd_loop(dtype)
-    return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason)
+    whole = whole_chunks(sk, item, vector, aligned_rows)
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows or not vector, whole)
+    whole = whole and tier == "register"
+    name = kernel_bwd(dtype, nch, rpt, whole) if tier == "register" else kernel_bwd_loop(dtype)
+    return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason, whole)

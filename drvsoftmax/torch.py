@@ -25,24 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _args, _core, _driver, _reference
+from . import _args, _core, _driver, _dtypes, _reference
 from ._errors import DrvSoftmaxError, arg_type_error, arg_value_error
 
-_DT = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.bool: "bool",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-for _n in ("uint16", "uint32", "uint64"):
-    if hasattr(torch, _n):
-        _DT[getattr(torch, _n)] = _n
+_DT = {getattr(torch, n): n for n in _dtypes.TABLE if hasattr(torch, n)}  # torch.dtype -> name
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -342,6 +328,7 @@ def _prepare_forward(
     out: Any,
     dev: int,
     aligned: bool,
+    mask_aligned: bool,
 ) -> tuple[Any, _OutSpans | None]:
     scale, causal = _check_common(x, mask, scale, causal, key_lengths, out, True)
     spans = None if out is None else _OutSpans(x, out, mask, key_lengths)
@@ -357,7 +344,7 @@ def _prepare_forward(
         if key_lengths.dtype not in _KL_DIRECT:
             ko = _core.Operand(0, "int64", ko.shape, (1,))
     _core.check_forward(xo, yo, mo, ko, causal)
-    return _core.prepare_forward(device, xo, yo, mo, ko, causal, scale, aligned), spans
+    return _core.prepare_forward(device, xo, yo, mo, ko, causal, scale, aligned, mask_aligned), spans
 
 
 def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Tensor:
@@ -380,6 +367,7 @@ def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: An
             x.stride(),
             dev,
             aligned,
+            not (mp & 15),
             type(scale),
             scale,
             type(causal),
@@ -393,7 +381,7 @@ def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: An
         raise
     entry = _prepared.get(key)
     if entry is None:
-        entry = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned))
+        entry = _remember(key, _prepare_forward(x, mask, scale, causal, key_lengths, out, dev, aligned, not (mp & 15)))
     prep, spans = entry
     # empty_like keeps x's layout when x is dense (else contiguous): a function of x's
     # shape and strides, so the prepared launch (which knows y's strides) stays valid.

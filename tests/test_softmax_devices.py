@@ -59,7 +59,7 @@ def fake_driver(monkeypatch):
 def test_one_state_per_device_and_kernels_per_device(fake_driver):
     d0, d1, d2 = (_driver.device(i) for i in range(3))
     assert _driver.device(1) is d1 and len({id(d0), id(d1), id(d2)}) == 3
-    name = "smx_fwd<smx_f16, MaskNone, 2, 2>"
+    name = "smx_fwd<smx_f16, MaskNone, 2, 1, true>"
     k0, k1, k2 = d0.kernel(name), d1.kernel(name), d2.kernel(name)
     assert k0 == k1 == "CUkernel<sm_90:" + name + ">" and k2 == "CUkernel<sm_80:" + name + ">"
     # Looked up for each device (each loads it into its own context), by its own architecture.

@@ -21,7 +21,7 @@ from drvsoftmax import _capi, _compiler, _loader, _params
 from drvsoftmax._errors import KernelUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
-K1 = "smx_fwd<smx_f16, MaskNone, 2, 2>"
+K1 = "smx_fwd<smx_f16, MaskNone, 2, 1, true>"
 K2 = "smx_bwd_loop<float, 4>"
 
 
@@ -237,7 +237,7 @@ def test_demo_checks_and_times_on_any_device(capsys):
 def test_describe_each_kernel(chain, tmp_path, monkeypatch):
     folder, loads, compiled = chain
     monkeypatch.setenv("DRVSOFTMAX_CACHE_DIR", str(tmp_path / "cache"))
-    other = "smx_bwd<float, 8, 1>"  # not in these (two-kernel) artifacts
+    other = "smx_bwd<float, 8, 1, false>"  # not in these (two-kernel) artifacts
     assert _loader.describe_source("sm_90", 13000, K1) == "packaged cubin drvsoftmax_sm_90_000.cubin"
     d = _loader.describe_source("sm_90", 13000, other)
     assert d.startswith("NVRTC") and "compiled on first use" in d and f"holding {other}" in d

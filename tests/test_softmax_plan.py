@@ -29,7 +29,7 @@ ITEMSIZE = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
 
 
 def _tpr(plan) -> int:
-    return 1 << plan.tpr_log2
+    return plan.tpr
 
 
 def _contig(shape):
@@ -37,63 +37,89 @@ def _contig(shape):
 
 
 # ----------------------------------------------------------------------------------
-# The register tier's table at its boundaries.  16-bit: 8 elements per 16-byte chunk;
+# The register tier's tables at their boundaries.  16-bit: 8 elements per 16-byte chunk;
 # fp32: 4.  Rows that may start off a 16-byte boundary (aligned_rows=False) touch one
-# chunk more.
-#   (Sk, aligned rows, kernel config (nch, rpt) or "loop", threads per row)
+# chunk more.  Rows that are whole chunks (aligned, Sk a multiple of the chunk) run the
+# whole-chunk kernels (AL), the others the general ones.
+#   (Sk, aligned rows, whole, forward (nch, rpt) or "loop", backward, threads per row)
 CASES_16 = [
-    (1, True, (2, 2), 1),
-    (16, True, (2, 2), 1),
-    (17, True, (2, 2), 2),
-    (32, True, (2, 2), 2),
-    (31, False, (2, 2), 4),  # 4 chunks + 1 for misalignment
-    (128, True, (2, 2), 8),
-    (512, True, (2, 2), 32),  # 64 chunks: 2 rows x 2 chunks ends, rows still within a warp
-    (513, True, (8, 1), 16),
-    (4096, True, (8, 1), 64),  # rows span 2 warps
-    (4097, True, (8, 1), 128),
-    (4090, False, (8, 1), 128),  # 512 chunks + 1 for misalignment
-    (16384, True, (8, 1), 256),
-    (16385, True, "loop", 256),
-    (16384, False, "loop", 256),
+    (1, True, False, (2, 1), (2, 2), 1),
+    (16, True, True, (2, 1), (2, 2), 1),
+    (17, True, False, (2, 1), (2, 2), 2),
+    (32, True, True, (2, 1), (2, 2), 2),
+    (31, False, False, (2, 1), (2, 2), 4),  # 4 chunks + 1 for misalignment
+    (128, True, True, (2, 1), (2, 2), 8),
+    (512, True, True, (2, 1), (2, 2), 32),  # 64 chunks: the last rows within a warp
+    (513, True, False, (4, 1), (4, 1), 32),
+    (520, True, True, (4, 1), (4, 1), 32),
+    (4096, True, True, (4, 1), (4, 1), 128),  # rows span 4 warps, 2 rows per block
+    (4097, True, False, (4, 1), (4, 1), 160),  # 5 warps: a block per row
+    (4090, False, False, (4, 1), (4, 1), 160),  # 512 chunks + 1 for misalignment
+    (16384, True, True, (4, 1), (4, 1), 512),  # a row per 512-thread block
+    (16376, True, True, (4, 1), (4, 1), 512),
+    (16383, True, False, (4, 1), (4, 1), 512),
+    (16385, True, False, "loop", "loop", 256),
+    (16384, False, False, "loop", "loop", 256),
 ]
 CASES_32 = [
-    (8, True, (2, 2), 1),
-    (16, True, (2, 2), 2),
-    (17, True, (2, 2), 4),
-    (256, True, (2, 2), 32),
-    (257, True, (8, 1), 16),
-    (2048, True, (8, 1), 64),
-    (2049, True, (8, 1), 128),
-    (8192, True, (8, 1), 256),
-    (8193, True, (16, 1), 256),
-    (16384, True, (16, 1), 256),
-    (16385, True, "loop", 256),
+    (8, True, True, (2, 1), (2, 2), 1),
+    (16, True, True, (2, 1), (2, 2), 2),
+    (17, True, False, (2, 1), (2, 2), 4),
+    (256, True, True, (2, 1), (2, 2), 32),
+    (257, True, False, (4, 1), (4, 1), 32),
+    (260, True, True, (4, 1), (4, 1), 32),
+    (2048, True, True, (4, 1), (4, 1), 128),
+    (2049, True, False, (4, 1), (4, 1), 160),
+    (8192, True, True, (4, 1), (4, 1), 512),
+    (8193, True, False, (8, 1), (8, 1), 288),  # 9 warps x 8 chunks
+    (8196, True, True, (8, 1), (8, 1), 288),
+    (16384, True, True, (8, 1), (8, 1), 512),
+    (16383, True, False, (8, 1), (8, 1), 512),
+    (16385, True, False, "loop", "loop", 256),
 ]
 BOUNDARY_CASES = [(dt, bwd, *c) for dt in ("float16", "bfloat16") for bwd in (False, True) for c in CASES_16]
 BOUNDARY_CASES += [("float32", bwd, *c) for bwd in (False, True) for c in CASES_32]
 
 
-@pytest.mark.parametrize("dtype,backward,sk,aligned,cfg,tpr", BOUNDARY_CASES)
-def test_boundary_configs(dtype, backward, sk, aligned, cfg, tpr):
+@pytest.mark.parametrize("dtype,backward,sk,aligned,whole,fcfg,bcfg,tpr", BOUNDARY_CASES)
+def test_boundary_configs(dtype, backward, sk, aligned, whole, fcfg, bcfg, tpr):
     rows = 1000
     if backward:
         plan = _plan.plan_backward(rows, sk, dtype, True, aligned)
     else:
         plan = _plan.plan_forward(rows, sk, dtype, "hide1", True, aligned)
     t = _plan.X_DTYPES[dtype][0]
+    cfg = bcfg if backward else fcfg
     assert _tpr(plan) == tpr, plan
     if cfg == "loop":
-        assert plan.tier == "loop" and plan.grid == rows and plan.block == _plan.BLOCK
+        assert plan.tier == "loop" and plan.grid == rows and plan.block == _plan.BLOCK and not plan.whole
         assert plan.kernel == (f"smx_bwd_loop<{t}, 4>" if backward else f"smx_fwd_loop<{t}, MaskHide<smx_u8>, 4>")
         return
     nch, rpt = cfg
     assert plan.tier == "register" and (plan.nch, plan.rpt) == (nch, rpt)
-    want = f"smx_bwd<{t}, {nch}, {rpt}>" if backward else f"smx_fwd<{t}, MaskHide<smx_u8>, {nch}, {rpt}>"
-    assert plan.kernel == want
-    assert plan.block == (128 if tpr <= 32 else 256)
+    al = "true" if whole else "false"
+    want = f"smx_bwd<{t}, {nch}, {rpt}, {al}>" if backward else f"smx_fwd<{t}, MaskHide<smx_u8>, {nch}, {rpt}, {al}>"
+    assert plan.kernel == want and plan.whole == whole
+    pow2 = tpr & (tpr - 1) == 0
+    assert plan.block == (128 if tpr <= 32 else max(256, tpr) if pow2 else tpr)
     assert plan.grid == -(-rows // ((plan.block // tpr) * rpt))
     assert plan.vector is True
+
+
+def test_whole_chunk_kernels_need_every_operand_whole():
+    """A mask that is not read a chunk at a time, a mask kind without whole-chunk kernels,
+    element-wise access or rows off the grid: the general kernel."""
+    whole = _plan.plan_forward(100, 128, "float16", "hide1", True, True)
+    assert whole.whole and whole.kernel.endswith(", true>")
+    for plan in (
+        _plan.plan_forward(100, 128, "float16", "hide1", True, True, mask_whole=False),
+        _plan.plan_forward(100, 128, "float16", "hide4", True, True),
+        _plan.plan_forward(100, 128, "float16", "add_float32", True, True),
+        _plan.plan_forward(100, 128, "float16", "none", False, True),
+        _plan.plan_forward(100, 128, "float16", "none", True, False),
+        _plan.plan_backward(100, 128, "float16", False, True),
+    ):
+        assert not plan.whole and plan.kernel.endswith(", false>"), plan
 
 
 def _sweep_sks():
@@ -123,8 +149,10 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
             chunks = _plan.row_chunks(sk, ITEMSIZE[dtype], aligned)
             if p.tier == "register":
                 assert _tpr(p) * p.nch >= chunks, (sk, p)
-                assert _tpr(p) == 1 or (_tpr(p) // 2) * p.nch < chunks, (sk, p)  # no smaller tpr fits
-                assert p.block % _tpr(p) == 0 and p.block <= _plan.BLOCK
+                # No narrower row fits: half as many threads, or a warp less for rows of whole warps.
+                narrower = _tpr(p) // 2 if _tpr(p) <= 32 else _tpr(p) - 32
+                assert _tpr(p) == 1 or narrower * p.nch < chunks, (sk, p)
+                assert p.block % _tpr(p) == 0 and p.block <= _plan.MAX_BLOCK
                 rows_per_block = p.block // _tpr(p) * p.rpt
                 assert (p.grid - 1) * rows_per_block < rows <= p.grid * rows_per_block
             else:
@@ -175,8 +203,8 @@ def test_every_mask_kind_is_reachable_from_some_dtype():
 
 
 def test_grid_beyond_the_launch_limit_is_an_argument_error():
-    p = _plan.plan_forward(2**38, 1, "float16", "none", True)
-    assert p.grid == 2**38 // 256  # 128 threads x 2 rows per block
+    p = _plan.plan_forward(2**37, 1, "float16", "none", True)
+    assert p.grid == 2**37 // 128  # 128 threads x 1 row per block
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^x must be at most \d+ blocks of rows"):
         _plan.plan_forward(2**50, 100, "float16", "none", True)
 
@@ -188,12 +216,14 @@ def test_grid_beyond_the_launch_limit_is_an_argument_error():
 @pytest.mark.parametrize(
     "shape,dtype,kw,tier,needle",
     [
-        ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 2>"),
+        ((2, 12, 128, 128), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 1, true>"),
+        ((2, 12, 128, 127), "float16", {}, "register", "smx_fwd<smx_f16, MaskNone, 2, 1, false>"),
         ((2, 12, 128, 128), "bfloat16", {"mask_dtype": "bool"}, "register", "MaskHide<smx_u8>"),
-        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 8, 1>"),
+        ((4, 1024), "float32", {"mask_dtype": "float64"}, "register", "MaskAdd<double>, 4, 1, false>"),
         ((3, 40000), "float16", {"mask_dtype": "int32"}, "loop", "smx_fwd_loop<smx_f16, MaskHide<smx_u32>, 4>"),
         ((3, 16385), "float32", {"backward": True}, "loop", "smx_bwd_loop<float, 4>"),
-        ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 2, 2>"),
+        ((7, 9), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 2, 2, false>"),
+        ((7, 16), "float16", {"backward": True}, "register", "smx_bwd<smx_f16, 2, 2, true>"),
     ],
 )
 def test_explain_names_tier_and_kernel(shape, dtype, kw, tier, needle):
@@ -377,9 +407,13 @@ def test_prepared_forward_parameters_read_back_under_c_names():
     y = Op(0x2000, "float16", shape, _contig(shape))
     mask = Op(0x3000, "bool", (2, 1, 4, 40), _contig((2, 1, 4, 40)))
     klen = Op(0x4000, "int64", (2,), (1,))
+    # A mask whose alignment is not known to be 16 bytes: the general kernel; with it, the
+    # whole-chunk kernel.
+    whole = _core.prepare_forward(_FakeDevice(), x, y, mask, klen, True, 0.125, True, True)
+    assert whole.kernel == "<CUfunction smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, true>>"
     prep = _core.prepare_forward(_FakeDevice(), x, y, mask, klen, True, 0.125, True)
     f = _params.FWD.unpack(bytes(prep.params.raw))
-    assert prep.kernel == "<CUfunction smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 2>>" and prep.nargs == 5
+    assert prep.kernel == "<CUfunction smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, false>>" and prep.nargs == 5
     assert f["rows"] == 24 and f["sk"] == 40 and f["scale"] == 0.125
     assert (f["sx"], f["sy"], f["sm"], f["causal_shift"]) == (1, 1, 1, 36)
     assert f["flags"] == (
