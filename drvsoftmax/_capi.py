@@ -41,39 +41,48 @@ def _ident(s: str) -> str:
     return s.upper()
 
 
-def _name_format(fn_name: str) -> str:
-    """printf format of a kernel name expression, derived from `_plan`'s own builder
-    (dtype and mask step as %s, chunks and rows as %d), so that the two cannot drift."""
+def _name_format(kind: str) -> str:
+    """printf pattern of a kernel name expression, derived from `_plan`'s own builder
+    (%1 dtype, %2 mask step, %3 chunks, %4 rows, %5 whole-chunk flag), so the two cannot drift."""
     dt, mk = "float16", "none"
     t, m = _plan.X_DTYPES[dt][0], _plan.MASK_KINDS[mk]
     a, b = 7919, 7907  # numbers that appear nowhere else in a name
-    if fn_name == "fwd":
-        s = _plan.kernel_fwd(dt, mk, a, b)
-    elif fn_name == "bwd":
-        s = _plan.kernel_bwd(dt, a, b)
-    elif fn_name == "fwd_loop":
-        s = _plan.kernel_fwd_loop(dt, mk).replace(str(_plan.LOOP_NCH) + ">", f"{a}>")
+    if kind == "fwd":
+        s = _plan.kernel_fwd(dt, mk, a, b, True)
+    elif kind == "bwd":
+        s = _plan.kernel_bwd(dt, a, b, True)
+    elif kind == "fwd_loop":
+        s = _plan.kernel_fwd_loop(dt, mk).replace(f"{_plan.LOOP_NCH}>", f"{a}>")
     else:
-        s = _plan.kernel_bwd_loop(dt).replace(str(_plan.LOOP_NCH) + ">", f"{a}>")
-    s = s.replace(t, "%1").replace(m, "%2").replace(str(a), "%3").replace(str(b), "%4")
-    for ph in ("%1", "%2", "%3", "%4"):
+        s = _plan.kernel_bwd_loop(dt).replace(f"{_plan.LOOP_NCH}>", f"{a}>")
+    s = s.replace(t, "%1").replace(m, "%2").replace(str(a), "%3").replace(str(b), "%4").replace("true", "%5")
+    for ph in _PH:
         if s.count(ph) > 1:
             raise RuntimeError(f"ambiguous kernel name pattern {s!r}")
     return s
 
 
+_PH = ("%1", "%2", "%3", "%4", "%5")
+
+
 def _printf(pattern: str) -> tuple[str, list[str]]:
-    """('smx_fwd<%s, %s, %d, %d>', argument order) of a pattern of _name_format."""
-    order = sorted((pattern.index(ph), ph) for ph in ("%1", "%2", "%3", "%4") if ph in pattern)
+    """('smx_fwd<%s, %s, %d, %d, %s>', argument order) of a pattern of _name_format."""
+    order = sorted((pattern.index(ph), ph) for ph in _PH if ph in pattern)
     fmt = pattern
     for _, ph in order:
-        fmt = fmt.replace(ph, "%s" if ph in ("%1", "%2") else "%d")
+        fmt = fmt.replace(ph, "%d" if ph in ("%3", "%4") else "%s")
     return fmt, [ph for _, ph in order]
 
 
 def _name_function(kind: str) -> list[str]:
     fmt, order = _printf(_name_format(kind))
-    arg = {"%1": "smx_dtype_ctype(dtype)", "%2": "smx_mask_step(mask_kind)", "%3": "nch", "%4": "rpt"}
+    arg = {
+        "%1": "smx_dtype_ctype(dtype)",
+        "%2": "smx_mask_step(mask_kind)",
+        "%3": "nch",
+        "%4": "rpt",
+        "%5": f'(whole ? "{_plan._b(True)}" : "{_plan._b(False)}")',
+    }
     args = ", ".join(arg[o] for o in order)
     return [f"  return snprintf(buf, cap, {_c_str(fmt)}, {args});"]
 
@@ -157,10 +166,12 @@ typedef struct SmxLaunch {
   int loop;                          // 0: register tier, 1: looped tier (a block per row)
   int nch;                           // chunks per thread and row (per segment when looping)
   int rpt;                           // rows per thread
-  int tpr_log2;                      // log2(threads per row): also SmxFwdParams.tpr_log2
+  int tpr_log2;                      // log2(threads per row): also SmxFwdParams.tpr_log2; a
+                                     // block narrower than 2^tpr_log2 threads is one row
   int block;                         // threads per block
   smx_i64 grid;                      // blocks (x dimension)
   int vector;                        // 16-byte accesses (SMX_F_VEC)
+  int whole;                         // a whole-chunk kernel: every row is whole 16-byte chunks
 } SmxLaunch;
 
 static inline smx_i64 smx_ceil_div(smx_i64 a, smx_i64 b) { return (a + b - 1) / b; }
@@ -181,23 +192,31 @@ static inline smx_i64 smx_row_chunks(smx_i64 sk, int itemsize, int aligned_rows)
 static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
                                     SmxLaunch* l) {
   smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
+  const smx_i64 cap = smx_max_chunks(itemsize);
   if (chunks < 1) chunks = 1;
   const int nrows = backward ? SMX_BWD_TABLE_ROWS : SMX_FWD_TABLE_ROWS;
   for (int i = 0; i < nrows; ++i) {
     const int* r = backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
-    if (r[1] == SMX_FP32_ONLY_NCH && itemsize != 4) continue;
-    if (chunks <= r[0]) {
-      const int t = smx_log2_ceil(smx_ceil_div(chunks, r[1]));
-      int block = (1 << t) <= 32 ? SMX_SMALL_BLOCK : SMX_BLOCK_THREADS;
-      if (block < (1 << t)) block = 1 << t;
+    const smx_i64 limit = r[0] < cap ? r[0] : cap;
+    if (chunks <= limit) {
+      const smx_i64 need = smx_ceil_div(chunks, r[1]), warps = smx_ceil_div(need, 32) * 32;
+      const int t = smx_log2_ceil(need);
+      smx_i64 block;
+      if (((smx_i64)1 << t) <= 32)
+        block = SMX_SMALL_BLOCK;
+      else if (((smx_i64)1 << t) == warps)
+        block = ((smx_i64)1 << t) > SMX_BLOCK_THREADS ? ((smx_i64)1 << t) : SMX_BLOCK_THREADS;
+      else  // a block of whole warps is one row (the kernel takes the whole block)
+        block = warps;
       l->loop = 0;
       l->nch = r[1];
       l->rpt = r[2];
       l->tpr_log2 = t;
-      l->block = block;
-      l->grid = smx_ceil_div(rows, (smx_i64)(block >> t) * r[2]);
+      l->block = (int)block;
+      l->grid = smx_ceil_div(rows, ((block >> t) > 1 ? (block >> t) : 1) * r[2]);
       return;
     }
+    if (r[0] >= cap) break;
   }
   l->loop = 1;
   l->nch = SMX_LOOP_NCH;
@@ -207,30 +226,44 @@ static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int 
   l->grid = rows;
 }
 
+// Every row is whole 16-byte chunks: vector access, rows on the chunk grid, Sk a whole
+// number of chunks.
+static inline int smx_whole_chunks(smx_i64 sk, int itemsize, int vector, int aligned_rows) {
+  return vector && aligned_rows && sk % (SMX_CHUNK_BYTES / itemsize) == 0;
+}
+
 // The forward's kernel and launch shape.  vector: 16-byte accesses are possible (SMX_F_VEC);
-// aligned_rows: every row of x and y starts on a 16-byte boundary.
+// aligned_rows: every row of x and y starts on a 16-byte boundary; mask_whole: the mask (if
+// any) can be read a chunk at a time (16-byte aligned pointer, unit key stride, every mask row
+// on the grid of its chunk width: smx_fill_forward works it out).
 static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask_kind, int vector, int aligned_rows,
-                                   SmxLaunch* l) {
+                                   int mask_whole, SmxLaunch* l) {
   memset(l, 0, sizeof(*l));
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES || mask_kind < 0 || mask_kind >= SMX_NUM_MASK_KINDS) return SMX_ERR_ARG;
-  smx_choose_shape(rows, sk, smx_dtype_size(dtype), 0, aligned_rows || !vector, l);
+  const int item = smx_dtype_size(dtype);
+  const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
+  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, l);
   l->vector = vector != 0;
+  l->whole = whole && !l->loop;
   if (l->loop)
     smx_kernel_name_fwd_loop(l->kernel, sizeof(l->kernel), dtype, mask_kind, l->nch);
   else
-    smx_kernel_name_fwd(l->kernel, sizeof(l->kernel), dtype, mask_kind, l->nch, l->rpt);
+    smx_kernel_name_fwd(l->kernel, sizeof(l->kernel), dtype, mask_kind, l->nch, l->rpt, l->whole);
   return l->grid > SMX_MAX_GRID ? SMX_ERR_GRID : SMX_OK;
 }
 
 static inline int smx_plan_backward(smx_i64 rows, smx_i64 sk, int dtype, int vector, int aligned_rows, SmxLaunch* l) {
   memset(l, 0, sizeof(*l));
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES) return SMX_ERR_ARG;
-  smx_choose_shape(rows, sk, smx_dtype_size(dtype), 1, aligned_rows || !vector, l);
+  const int item = smx_dtype_size(dtype);
+  const int whole = smx_whole_chunks(sk, item, vector, aligned_rows);
+  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, l);
   l->vector = vector != 0;
+  l->whole = whole && !l->loop;
   if (l->loop)
     smx_kernel_name_bwd_loop(l->kernel, sizeof(l->kernel), dtype, l->nch);
   else
-    smx_kernel_name_bwd(l->kernel, sizeof(l->kernel), dtype, l->nch, l->rpt);
+    smx_kernel_name_bwd(l->kernel, sizeof(l->kernel), dtype, l->nch, l->rpt, l->whole);
   return l->grid > SMX_MAX_GRID ? SMX_ERR_GRID : SMX_OK;
 }
 
@@ -362,6 +395,7 @@ typedef struct SmxFwdDesc {
   int causal;                          // needs ndim >= 2
   float scale;
   int aligned;                         // x and y are 16-byte aligned
+  int mask_aligned;                    // the mask is 16-byte aligned (whole-chunk kernels)
 } SmxFwdDesc;
 
 typedef struct SmxBwdDesc {
@@ -388,7 +422,7 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
   const int nd = d->ndim;
   const int nl = nd - 1;
   smx_i64 rows = 1, zeros[SMX_MAX_NDIM], mst[SMX_MAX_NDIM];
-  int err, flags = 0, small;
+  int err, flags = 0, small, mask_whole = 1;
   memset(p, 0, sizeof(*p));
   memset(l, 0, sizeof(*l));
   if (d->dtype < 0 || d->dtype >= SMX_NUM_DTYPES || nd < 1 || nd > SMX_MAX_NDIM) return SMX_ERR_ARG;
@@ -416,6 +450,14 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
     p->span_m = smx_span(d->mask_ndim, d->mask_shape, d->mask_strides);
     if ((err = smx_row_map(&p->map_m, nl, d->shape, mst, small))) return err;
     if (mst[nd - 1] == 1) flags |= SMX_F_MVEC;
+    {  // whole-chunk kernels read a mask chunk (the keys of one chunk of x) with one access
+      const int mbytes = smx_mask_itemsize(d->mask_kind);
+      const int cw = SMX_CHUNK_BYTES / smx_dtype_size(d->dtype) * mbytes;
+      const int width = cw < SMX_CHUNK_BYTES ? cw : SMX_CHUNK_BYTES;
+      mask_whole = d->mask_aligned && (mst[nd - 1] == 1 || d->shape[nd - 1] == 1);
+      for (int i = 0; i < nl && mask_whole; ++i)
+        if (d->shape[i] != 1 && (mst[i] * mbytes) % width != 0) mask_whole = 0;
+    }
   }
   if (d->klen_bytes) {
     smx_i64 ks[SMX_MAX_NDIM];
@@ -438,7 +480,7 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
     const int vec = d->aligned && smx_vector_ok(2, ops, nd, d->shape, item);
     const int aligned_rows = smx_rows_aligned(2, ops, nl, d->shape, SMX_CHUNK_BYTES / item);
     if (vec) flags |= SMX_F_VEC;
-    err = smx_plan_forward(rows, d->shape[nd - 1], d->dtype, d->mask_kind, vec, aligned_rows, l);
+    err = smx_plan_forward(rows, d->shape[nd - 1], d->dtype, d->mask_kind, vec, aligned_rows, mask_whole, l);
   }
   p->flags = flags;
   p->tpr_log2 = l->tpr_log2;
@@ -532,6 +574,14 @@ def c_api_header() -> str:
         "(const char*)0",
         "the kernels' mask step type",
     )
+    out += _switch(
+        "smx_mask_itemsize",
+        "int",
+        "kind",
+        [str(_plan.MASK_ITEMSIZE[k]) for k in kinds],
+        "0",
+        "bytes of one mask element",
+    )
     out += ["", "// ---------------------------------------------------------------------------------"]
     out += ["// The planner's constants and tables (drvsoftmax/_plan.py)."]
     out += [
@@ -541,25 +591,39 @@ def c_api_header() -> str:
         f"#define SMX_BLOCK_THREADS {_plan.BLOCK}  // the largest block; threads per row of the widest rows",
         f"#define SMX_SMALL_BLOCK {_plan.SMALL_BLOCK}  // block of rows of at most 32 threads",
         f"#define SMX_LOOP_NCH {_plan.LOOP_NCH}  // chunks per thread and segment of the looped tier",
-        f"#define SMX_FP32_ONLY_NCH {_plan.FP32_ONLY_NCH}  // a register-tier row instantiated for fp32 only",
+        f"#define SMX_MAX_BLOCK {_plan.MAX_BLOCK}  // the largest block (a row of up to that many threads gets its own)",
+        "// The register tier's longest rows, in 16-byte chunks, by element size (longer rows loop).",
+        "static inline smx_i64 smx_max_chunks(int itemsize) {",
+        "  switch (itemsize) {",
+        *[f"    case {k}: return {v};" for k, v in sorted(_plan.MAX_CHUNKS.items())],
+        "    default: return 0;",
+        "  }",
+        "}",
         f"#define SMX_MAX_GRID {_plan.MAX_GRID}LL",
         f"#define SMX_MAX_SK {2**31 - 1}LL  // row length limit (row-internal indices are 32-bit)",
         "// Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C",
-        "// chunks take the first row with C <= limit (threads per row: C / chunks per thread rounded",
-        "// up to a power of two); longer rows take the looped tier.",
+        "// chunks take the first row with C <= limit, the limits capped at smx_max_chunks (threads per",
+        "// row: C / chunks per thread rounded up to a power of two); longer rows take the looped tier.",
     ]
     out += _table("FWD_TABLE", _plan.FWD_TABLE)
     out += _table("BWD_TABLE", _plan.BWD_TABLE)
     out += ["", "// Kernel name expressions (the keys of the manifest's symbols table)."]
     for kind, params in (
-        ("fwd", "int dtype, int mask_kind, int nch, int rpt"),
+        ("fwd", "int dtype, int mask_kind, int nch, int rpt, int whole"),
         ("fwd_loop", "int dtype, int mask_kind, int nch"),
-        ("bwd", "int dtype, int nch, int rpt"),
+        ("bwd", "int dtype, int nch, int rpt, int whole"),
         ("bwd_loop", "int dtype, int nch"),
     ):
         out.append(f"static inline int smx_kernel_name_{kind}(char* buf, size_t cap, {params}) {{")
         out += _name_function(kind)
         out.append("}")
+    out += ["", "// Mask kinds with whole-chunk kernels (the fifth template argument true), by dtype."]
+    out.append("static inline int smx_al_mask_kind(int dtype, int mask_kind) {")
+    out.append("  switch (dtype) {")
+    for i, d in enumerate(dtypes):
+        cond = " || ".join(f"mask_kind == SMX_MASK_{_ident(k)}" for k in _plan.al_mask_kinds(d))
+        out.append(f"    case {i}: return {cond};")
+    out += ["    default: return 0;", "  }", "}"]
     names = _plan.packaged_kernel_names()
     longest = max(len(n) for n in _plan.all_kernel_names())
     if longest >= KERNEL_NAME_CAP:

@@ -3,11 +3,11 @@
  * can compare every byte of the parameter struct and every launch number with Python's.
  *
  *   F dtype nd shape.. x_strides.. y_strides.. mask_kind mask_nd mask_shape.. mask_strides..
- *     klen_bytes klen_stride causal scale aligned
+ *     klen_bytes klen_stride causal scale aligned mask_aligned
  *   B dtype nd shape.. dy_strides.. y_strides.. dx_strides.. scale aligned
  *   P                      (prints the packaged kernel list)
  *
- * Output per F/B line: rc|kernel|loop nch rpt tpr_log2 block grid vector packaged|params hex
+ * Output per F/B line: rc|kernel|loop nch rpt tpr_log2 block grid vector whole packaged|params hex
  */
 #include <stdlib.h>
 
@@ -33,8 +33,8 @@ static float rd_float(void) {
 }
 
 static void print_result(int rc, const SmxLaunch* l, const void* params, size_t size) {
-  printf("%d|%s|%d %d %d %d %d %lld %d %d|", rc, l->kernel, l->loop, l->nch, l->rpt, l->tpr_log2, l->block,
-         (long long)l->grid, l->vector, l->kernel[0] ? smx_is_packaged(l->kernel) : 0);
+  printf("%d|%s|%d %d %d %d %d %lld %d %d %d|", rc, l->kernel, l->loop, l->nch, l->rpt, l->tpr_log2, l->block,
+         (long long)l->grid, l->vector, l->whole, l->kernel[0] ? smx_is_packaged(l->kernel) : 0);
   for (size_t i = 0; i < size; ++i) printf("%02x", ((const unsigned char*)params)[i]);
   printf("\n");
 }
@@ -64,6 +64,7 @@ int main(void) {
       d.causal = (int)rd();
       d.scale = rd_float();
       d.aligned = (int)rd();
+      d.mask_aligned = (int)rd();
       const int rc = smx_fill_forward(&d, &p, &l);
       print_result(rc, &l, &p, sizeof(p));
     } else if (op[0] == 'B') {

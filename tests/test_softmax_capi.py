@@ -169,6 +169,7 @@ def _fwd_case(r: random.Random) -> dict:
     c["causal"] = nd >= 2 and r.random() < 0.3
     c["scale"] = r.choice([1.0, 0.125, -0.5, r.uniform(-4, 4)])
     c["aligned"] = r.random() < 0.8
+    c["mask_aligned"] = r.random() < 0.8
     return c
 
 
@@ -197,7 +198,7 @@ def _fwd_line(c: dict) -> str:
     return (
         f"F {DTYPES.index(c['dtype'])} {len(shape)} {_ints(shape)} {_ints(c['xs'])} {_ints(c['ys'])} "
         f"{KINDS.index(kind)} {len(mshape)} {_ints(mshape)} {_ints(mst)} {kb} {kst} {int(c['causal'])} "
-        f"{c['scale']!r} {int(c['aligned'])}"
+        f"{c['scale']!r} {int(c['aligned'])} {int(c['mask_aligned'])}"
     )
 
 
@@ -231,7 +232,7 @@ def _python_fwd(c: dict) -> tuple[int, str]:
     if c["klen"]:
         klen = _core.Operand(0, "int32" if c["klen"][0] == 4 else "int64", (shape[0],), (c["klen"][1],))
     try:
-        v, plan = _core.forward_params(x, y, mask, klen, c["causal"], c["scale"], c["aligned"])
+        v, plan = _core.forward_params(x, y, mask, klen, c["causal"], c["scale"], c["aligned"], c["mask_aligned"])
     except DrvSoftmaxError as e:
         return _err_code(e), ""
     return 0, _describe(plan, _params.FWD.pack(v))
@@ -251,7 +252,8 @@ def _python_bwd(c: dict) -> tuple[int, str]:
 def _describe(plan: _plan.LaunchPlan, packed: bytes) -> str:
     loop = int(plan.tier == "loop")
     packaged = int(plan.kernel in _plan.packaged_kernel_names())
-    nums = f"{loop} {plan.nch} {plan.rpt} {plan.tpr_log2} {plan.block} {plan.grid} {int(plan.vector)} {packaged}"
+    nums = f"{loop} {plan.nch} {plan.rpt} {plan.tpr_log2} {plan.block} {plan.grid} {int(plan.vector)} {int(plan.whole)}"
+    nums += f" {packaged}"
     return f"{plan.kernel}|{nums}|{packed.hex()}"
 
 
@@ -293,11 +295,15 @@ def test_c_packaged_kernel_list_matches_python(tmp_path):
     assert out[:-1] == _plan.packaged_kernel_names() and out[-1] == "--"
 
 
+_ROW0 = "{" + ", ".join(str(v) for v in _plan.FWD_TABLE[0][:3]) + "}"  # the first forward table row
+
+
 @needs_cc
 @pytest.mark.parametrize(
     "good,bad",
     [
-        ("{64, 2, 2}", "{65, 2, 2}"),  # a planner table limit off by one
+        (_ROW0, _ROW0.replace("{", "{1", 1)),  # a planner table limit changed
+        ("block = warps;", "block = SMX_BLOCK_THREADS;"),  # rows of whole warps given a power-of-two block
         ("*shr = (smx_u32)(p - 32);", "*shr = (smx_u32)(p - 31);"),  # a magic shift off by one
         ("if (mst[nd - 1] == 1) flags |= SMX_F_MVEC;", ""),  # a flag forgotten
     ],
@@ -364,11 +370,11 @@ _ARCH += "d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
 
 
 def _example_kernel(dtype: str, shape: tuple[int, ...], mask: bool = True) -> str:
-    """The kernel examples/c/main.c picks: contiguous x, a bool mask [B, 1, Sq, Sk], aligned."""
+    """The kernel examples/c/main.c picks: contiguous x, a bool mask [B, 1, Sq, Sk], all aligned."""
     B, H, Sq, Sk = shape
     x = _core.Operand(0, dtype, shape, (H * Sq * Sk, Sq * Sk, Sk, 1))
     m = _core.Operand(0, "bool", (B, 1, Sq, Sk), (Sq * Sk, Sq * Sk, Sk, 1)) if mask else None
-    return _core.forward_params(x, x, m, None, False, 1.0, True)[1].kernel
+    return _core.forward_params(x, x, m, None, False, 1.0, True, True)[1].kernel
 
 
 FAKE = Path(__file__).resolve().parent / "fake_cuda"

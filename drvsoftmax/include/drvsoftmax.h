@@ -65,7 +65,7 @@ typedef struct SmxFwdParams {
   smx_i64 span_x;  // elements from x to one past its last: whole 16-byte blocks inside are readable
   smx_i64 span_m;  // the same for the mask
   float scale;  // multiplies x before the mask
-  int tpr_log2;  // log2(threads per row)
+  int tpr_log2;  // log2(threads per row); a block narrower than that is one row
   SmxRowMap map_x;
   SmxRowMap map_y;
   SmxRowMap map_m;  // mask
@@ -83,7 +83,7 @@ typedef struct SmxBwdParams {
   smx_i64 span_dy;  // elements from dy to one past its last
   smx_i64 span_y;  // elements from y to one past its last
   float scale;  // dx = scale * y * (dy - sum(dy * y))
-  int tpr_log2;  // log2(threads per row)
+  int tpr_log2;  // log2(threads per row); a block narrower than that is one row
   SmxRowMap map_dy;
   SmxRowMap map_y;
   SmxRowMap map_dx;
@@ -286,6 +286,21 @@ static inline const char* smx_mask_step(int kind) {
     default: return (const char*)0;
   }
 }
+// bytes of one mask element
+static inline int smx_mask_itemsize(int kind) {
+  switch (kind) {
+    case 0: return 1;
+    case 1: return 1;
+    case 2: return 2;
+    case 3: return 4;
+    case 4: return 8;
+    case 5: return 2;
+    case 6: return 2;
+    case 7: return 4;
+    case 8: return 8;
+    default: return 0;
+  }
+}
 
 // ---------------------------------------------------------------------------------
 // The planner's constants and tables (drvsoftmax/_plan.py).
@@ -295,70 +310,116 @@ static inline const char* smx_mask_step(int kind) {
 #define SMX_BLOCK_THREADS 256  // the largest block; threads per row of the widest rows
 #define SMX_SMALL_BLOCK 128  // block of rows of at most 32 threads
 #define SMX_LOOP_NCH 4  // chunks per thread and segment of the looped tier
-#define SMX_FP32_ONLY_NCH 16  // a register-tier row instantiated for fp32 only
+#define SMX_MAX_BLOCK 512  // the largest block (a row of up to that many threads gets its own)
+// The register tier's longest rows, in 16-byte chunks, by element size (longer rows loop).
+static inline smx_i64 smx_max_chunks(int itemsize) {
+  switch (itemsize) {
+    case 2: return 2048;
+    case 4: return 4096;
+    default: return 0;
+  }
+}
 #define SMX_MAX_GRID 2147483647LL
 #define SMX_MAX_SK 2147483647LL  // row length limit (row-internal indices are 32-bit)
 // Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C
-// chunks take the first row with C <= limit (threads per row: C / chunks per thread rounded
-// up to a power of two); longer rows take the looped tier.
+// chunks take the first row with C <= limit, the limits capped at smx_max_chunks (threads per
+// row: C / chunks per thread rounded up to a power of two); longer rows take the looped tier.
 #define SMX_FWD_TABLE_ROWS 3
 static inline const int* smx_fwd_table_row(int i) {
-  static const int t[SMX_FWD_TABLE_ROWS][3] = {{64, 2, 2}, {2048, 8, 1}, {4096, 16, 1}};
+  static const int t[SMX_FWD_TABLE_ROWS][3] = {{64, 2, 1}, {2048, 4, 1}, {4096, 8, 1}};
   return i >= 0 && i < SMX_FWD_TABLE_ROWS ? t[i] : (const int*)0;
 }
 #define SMX_BWD_TABLE_ROWS 3
 static inline const int* smx_bwd_table_row(int i) {
-  static const int t[SMX_BWD_TABLE_ROWS][3] = {{64, 2, 2}, {2048, 8, 1}, {4096, 16, 1}};
+  static const int t[SMX_BWD_TABLE_ROWS][3] = {{64, 2, 2}, {2048, 4, 1}, {4096, 8, 1}};
   return i >= 0 && i < SMX_BWD_TABLE_ROWS ? t[i] : (const int*)0;
 }
 
 // Kernel name expressions (the keys of the manifest's symbols table).
-static inline int smx_kernel_name_fwd(char* buf, size_t cap, int dtype, int mask_kind, int nch, int rpt) {
-  return snprintf(buf, cap, "smx_fwd<%s, %s, %d, %d>", smx_dtype_ctype(dtype), smx_mask_step(mask_kind), nch, rpt);
+static inline int smx_kernel_name_fwd(char* buf, size_t cap, int dtype, int mask_kind, int nch, int rpt, int whole) {
+  return snprintf(buf, cap, "smx_fwd<%s, %s, %d, %d, %s>", smx_dtype_ctype(dtype), smx_mask_step(mask_kind), nch, rpt, (whole ? "true" : "false"));
 }
 static inline int smx_kernel_name_fwd_loop(char* buf, size_t cap, int dtype, int mask_kind, int nch) {
   return snprintf(buf, cap, "smx_fwd_loop<%s, %s, %d>", smx_dtype_ctype(dtype), smx_mask_step(mask_kind), nch);
 }
-static inline int smx_kernel_name_bwd(char* buf, size_t cap, int dtype, int nch, int rpt) {
-  return snprintf(buf, cap, "smx_bwd<%s, %d, %d>", smx_dtype_ctype(dtype), nch, rpt);
+static inline int smx_kernel_name_bwd(char* buf, size_t cap, int dtype, int nch, int rpt, int whole) {
+  return snprintf(buf, cap, "smx_bwd<%s, %d, %d, %s>", smx_dtype_ctype(dtype), nch, rpt, (whole ? "true" : "false"));
 }
 static inline int smx_kernel_name_bwd_loop(char* buf, size_t cap, int dtype, int nch) {
   return snprintf(buf, cap, "smx_bwd_loop<%s, %d>", smx_dtype_ctype(dtype), nch);
 }
 
+// Mask kinds with whole-chunk kernels (the fifth template argument true), by dtype.
+static inline int smx_al_mask_kind(int dtype, int mask_kind) {
+  switch (dtype) {
+    case 0: return mask_kind == SMX_MASK_NONE || mask_kind == SMX_MASK_HIDE1 || mask_kind == SMX_MASK_ADD_FLOAT16;
+    case 1: return mask_kind == SMX_MASK_NONE || mask_kind == SMX_MASK_HIDE1 || mask_kind == SMX_MASK_ADD_BFLOAT16;
+    case 2: return mask_kind == SMX_MASK_NONE || mask_kind == SMX_MASK_HIDE1 || mask_kind == SMX_MASK_ADD_FLOAT32;
+    default: return 0;
+  }
+}
+
 // The kernels the wheel's cubins hold (register tier; none, bool/8-bit and x-dtype additive
 // masks).  For any other kernel: `python build_ptx.py --arch sm_XY --kernels NAME --out DIR`.
-#define SMX_NUM_PACKAGED_KERNELS 28
+#define SMX_NUM_PACKAGED_KERNELS 56
 static inline const char* smx_packaged_kernel(int i) {
   static const char* const k[SMX_NUM_PACKAGED_KERNELS] = {
-      "smx_fwd<smx_f16, MaskNone, 2, 2>",
-      "smx_fwd<smx_f16, MaskNone, 8, 1>",
-      "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 2>",
-      "smx_fwd<smx_f16, MaskHide<smx_u8>, 8, 1>",
-      "smx_fwd<smx_f16, MaskAdd<smx_f16>, 2, 2>",
-      "smx_fwd<smx_f16, MaskAdd<smx_f16>, 8, 1>",
-      "smx_bwd<smx_f16, 2, 2>",
-      "smx_bwd<smx_f16, 8, 1>",
-      "smx_fwd<smx_bf16, MaskNone, 2, 2>",
-      "smx_fwd<smx_bf16, MaskNone, 8, 1>",
-      "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 2>",
-      "smx_fwd<smx_bf16, MaskHide<smx_u8>, 8, 1>",
-      "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 2, 2>",
-      "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 8, 1>",
-      "smx_bwd<smx_bf16, 2, 2>",
-      "smx_bwd<smx_bf16, 8, 1>",
-      "smx_fwd<float, MaskNone, 2, 2>",
-      "smx_fwd<float, MaskNone, 8, 1>",
-      "smx_fwd<float, MaskNone, 16, 1>",
-      "smx_fwd<float, MaskHide<smx_u8>, 2, 2>",
-      "smx_fwd<float, MaskHide<smx_u8>, 8, 1>",
-      "smx_fwd<float, MaskHide<smx_u8>, 16, 1>",
-      "smx_fwd<float, MaskAdd<float>, 2, 2>",
-      "smx_fwd<float, MaskAdd<float>, 8, 1>",
-      "smx_fwd<float, MaskAdd<float>, 16, 1>",
-      "smx_bwd<float, 2, 2>",
-      "smx_bwd<float, 8, 1>",
-      "smx_bwd<float, 16, 1>",
+      "smx_fwd<smx_f16, MaskNone, 2, 1, false>",
+      "smx_fwd<smx_f16, MaskNone, 4, 1, false>",
+      "smx_fwd<smx_f16, MaskNone, 2, 1, true>",
+      "smx_fwd<smx_f16, MaskNone, 4, 1, true>",
+      "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, false>",
+      "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, false>",
+      "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, true>",
+      "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, true>",
+      "smx_fwd<smx_f16, MaskAdd<smx_f16>, 2, 1, false>",
+      "smx_fwd<smx_f16, MaskAdd<smx_f16>, 4, 1, false>",
+      "smx_fwd<smx_f16, MaskAdd<smx_f16>, 2, 1, true>",
+      "smx_fwd<smx_f16, MaskAdd<smx_f16>, 4, 1, true>",
+      "smx_bwd<smx_f16, 2, 2, false>",
+      "smx_bwd<smx_f16, 4, 1, false>",
+      "smx_bwd<smx_f16, 2, 2, true>",
+      "smx_bwd<smx_f16, 4, 1, true>",
+      "smx_fwd<smx_bf16, MaskNone, 2, 1, false>",
+      "smx_fwd<smx_bf16, MaskNone, 4, 1, false>",
+      "smx_fwd<smx_bf16, MaskNone, 2, 1, true>",
+      "smx_fwd<smx_bf16, MaskNone, 4, 1, true>",
+      "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 1, false>",
+      "smx_fwd<smx_bf16, MaskHide<smx_u8>, 4, 1, false>",
+      "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 1, true>",
+      "smx_fwd<smx_bf16, MaskHide<smx_u8>, 4, 1, true>",
+      "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 2, 1, false>",
+      "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 4, 1, false>",
+      "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 2, 1, true>",
+      "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 4, 1, true>",
+      "smx_bwd<smx_bf16, 2, 2, false>",
+      "smx_bwd<smx_bf16, 4, 1, false>",
+      "smx_bwd<smx_bf16, 2, 2, true>",
+      "smx_bwd<smx_bf16, 4, 1, true>",
+      "smx_fwd<float, MaskNone, 2, 1, false>",
+      "smx_fwd<float, MaskNone, 4, 1, false>",
+      "smx_fwd<float, MaskNone, 8, 1, false>",
+      "smx_fwd<float, MaskNone, 2, 1, true>",
+      "smx_fwd<float, MaskNone, 4, 1, true>",
+      "smx_fwd<float, MaskNone, 8, 1, true>",
+      "smx_fwd<float, MaskHide<smx_u8>, 2, 1, false>",
+      "smx_fwd<float, MaskHide<smx_u8>, 4, 1, false>",
+      "smx_fwd<float, MaskHide<smx_u8>, 8, 1, false>",
+      "smx_fwd<float, MaskHide<smx_u8>, 2, 1, true>",
+      "smx_fwd<float, MaskHide<smx_u8>, 4, 1, true>",
+      "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>",
+      "smx_fwd<float, MaskAdd<float>, 2, 1, false>",
+      "smx_fwd<float, MaskAdd<float>, 4, 1, false>",
+      "smx_fwd<float, MaskAdd<float>, 8, 1, false>",
+      "smx_fwd<float, MaskAdd<float>, 2, 1, true>",
+      "smx_fwd<float, MaskAdd<float>, 4, 1, true>",
+      "smx_fwd<float, MaskAdd<float>, 8, 1, true>",
+      "smx_bwd<float, 2, 2, false>",
+      "smx_bwd<float, 4, 1, false>",
+      "smx_bwd<float, 8, 1, false>",
+      "smx_bwd<float, 2, 2, true>",
+      "smx_bwd<float, 4, 1, true>",
+      "smx_bwd<float, 8, 1, true>",
   };
   return i >= 0 && i < SMX_NUM_PACKAGED_KERNELS ? k[i] : (const char*)0;
 }
@@ -401,10 +462,12 @@ typedef struct SmxLaunch {
   int loop;                          // 0: register tier, 1: looped tier (a block per row)
   int nch;                           // chunks per thread and row (per segment when looping)
   int rpt;                           // rows per thread
-  int tpr_log2;                      // log2(threads per row): also SmxFwdParams.tpr_log2
+  int tpr_log2;                      // log2(threads per row): also SmxFwdParams.tpr_log2; a
+                                     // block narrower than 2^tpr_log2 threads is one row
   int block;                         // threads per block
   smx_i64 grid;                      // blocks (x dimension)
   int vector;                        // 16-byte accesses (SMX_F_VEC)
+  int whole;                         // a whole-chunk kernel: every row is whole 16-byte chunks
 } SmxLaunch;
 
 static inline smx_i64 smx_ceil_div(smx_i64 a, smx_i64 b) { return (a + b - 1) / b; }
@@ -425,23 +488,31 @@ static inline smx_i64 smx_row_chunks(smx_i64 sk, int itemsize, int aligned_rows)
 static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
                                     SmxLaunch* l) {
   smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
+  const smx_i64 cap = smx_max_chunks(itemsize);
   if (chunks < 1) chunks = 1;
   const int nrows = backward ? SMX_BWD_TABLE_ROWS : SMX_FWD_TABLE_ROWS;
   for (int i = 0; i < nrows; ++i) {
     const int* r = backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
-    if (r[1] == SMX_FP32_ONLY_NCH && itemsize != 4) continue;
-    if (chunks <= r[0]) {
-      const int t = smx_log2_ceil(smx_ceil_div(chunks, r[1]));
-      int block = (1 << t) <= 32 ? SMX_SMALL_BLOCK : SMX_BLOCK_THREADS;
-      if (block < (1 << t)) block = 1 << t;
+    const smx_i64 limit = r[0] < cap ? r[0] : cap;
+    if (chunks <= limit) {
+      const smx_i64 need = smx_ceil_div(chunks, r[1]), warps = smx_ceil_div(need, 32) * 32;
+      const int t = smx_log2_ceil(need);
+      smx_i64 block;
+      if (((smx_i64)1 << t) <= 32)
+        block = SMX_SMALL_BLOCK;
+      else if (((smx_i64)1 << t) == warps)
+        block = ((smx_i64)1 << t) > SMX_BLOCK_THREADS ? ((smx_i64)1 << t) : SMX_BLOCK_THREADS;
+      else  // a block of whole warps is one row (the kernel takes the whole block)
+        block = warps;
       l->loop = 0;
       l->nch = r[1];
       l->rpt = r[2];
       l->tpr_log2 = t;
-      l->block = block;
-      l->grid = smx_ceil_div(rows, (smx_i64)(block >> t) * r[2]);
+      l->block = (int)block;
+      l->grid = smx_ceil_div(rows, ((block >> t) > 1 ? (block >> t) : 1) * r[2]);
       return;
     }
+    if (r[0] >= cap) break;
   }
   l->loop = 1;
   l->nch = SMX_LOOP_NCH;
@@ -451,30 +522,44 @@ static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int 
   l->grid = rows;
 }
 
+// Every row is whole 16-byte chunks: vector access, rows on the chunk grid, Sk a whole
+// number of chunks.
+static inline int smx_whole_chunks(smx_i64 sk, int itemsize, int vector, int aligned_rows) {
+  return vector && aligned_rows && sk % (SMX_CHUNK_BYTES / itemsize) == 0;
+}
+
 // The forward's kernel and launch shape.  vector: 16-byte accesses are possible (SMX_F_VEC);
-// aligned_rows: every row of x and y starts on a 16-byte boundary.
+// aligned_rows: every row of x and y starts on a 16-byte boundary; mask_whole: the mask (if
+// any) can be read a chunk at a time (16-byte aligned pointer, unit key stride, every mask row
+// on the grid of its chunk width: smx_fill_forward works it out).
 static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask_kind, int vector, int aligned_rows,
-                                   SmxLaunch* l) {
+                                   int mask_whole, SmxLaunch* l) {
   memset(l, 0, sizeof(*l));
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES || mask_kind < 0 || mask_kind >= SMX_NUM_MASK_KINDS) return SMX_ERR_ARG;
-  smx_choose_shape(rows, sk, smx_dtype_size(dtype), 0, aligned_rows || !vector, l);
+  const int item = smx_dtype_size(dtype);
+  const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
+  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, l);
   l->vector = vector != 0;
+  l->whole = whole && !l->loop;
   if (l->loop)
     smx_kernel_name_fwd_loop(l->kernel, sizeof(l->kernel), dtype, mask_kind, l->nch);
   else
-    smx_kernel_name_fwd(l->kernel, sizeof(l->kernel), dtype, mask_kind, l->nch, l->rpt);
+    smx_kernel_name_fwd(l->kernel, sizeof(l->kernel), dtype, mask_kind, l->nch, l->rpt, l->whole);
   return l->grid > SMX_MAX_GRID ? SMX_ERR_GRID : SMX_OK;
 }
 
 static inline int smx_plan_backward(smx_i64 rows, smx_i64 sk, int dtype, int vector, int aligned_rows, SmxLaunch* l) {
   memset(l, 0, sizeof(*l));
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES) return SMX_ERR_ARG;
-  smx_choose_shape(rows, sk, smx_dtype_size(dtype), 1, aligned_rows || !vector, l);
+  const int item = smx_dtype_size(dtype);
+  const int whole = smx_whole_chunks(sk, item, vector, aligned_rows);
+  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, l);
   l->vector = vector != 0;
+  l->whole = whole && !l->loop;
   if (l->loop)
     smx_kernel_name_bwd_loop(l->kernel, sizeof(l->kernel), dtype, l->nch);
   else
-    smx_kernel_name_bwd(l->kernel, sizeof(l->kernel), dtype, l->nch, l->rpt);
+    smx_kernel_name_bwd(l->kernel, sizeof(l->kernel), dtype, l->nch, l->rpt, l->whole);
   return l->grid > SMX_MAX_GRID ? SMX_ERR_GRID : SMX_OK;
 }
 
@@ -606,6 +691,7 @@ typedef struct SmxFwdDesc {
   int causal;                          // needs ndim >= 2
   float scale;
   int aligned;                         // x and y are 16-byte aligned
+  int mask_aligned;                    // the mask is 16-byte aligned (whole-chunk kernels)
 } SmxFwdDesc;
 
 typedef struct SmxBwdDesc {
@@ -632,7 +718,7 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
   const int nd = d->ndim;
   const int nl = nd - 1;
   smx_i64 rows = 1, zeros[SMX_MAX_NDIM], mst[SMX_MAX_NDIM];
-  int err, flags = 0, small;
+  int err, flags = 0, small, mask_whole = 1;
   memset(p, 0, sizeof(*p));
   memset(l, 0, sizeof(*l));
   if (d->dtype < 0 || d->dtype >= SMX_NUM_DTYPES || nd < 1 || nd > SMX_MAX_NDIM) return SMX_ERR_ARG;
@@ -660,6 +746,14 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
     p->span_m = smx_span(d->mask_ndim, d->mask_shape, d->mask_strides);
     if ((err = smx_row_map(&p->map_m, nl, d->shape, mst, small))) return err;
     if (mst[nd - 1] == 1) flags |= SMX_F_MVEC;
+    {  // whole-chunk kernels read a mask chunk (the keys of one chunk of x) with one access
+      const int mbytes = smx_mask_itemsize(d->mask_kind);
+      const int cw = SMX_CHUNK_BYTES / smx_dtype_size(d->dtype) * mbytes;
+      const int width = cw < SMX_CHUNK_BYTES ? cw : SMX_CHUNK_BYTES;
+      mask_whole = d->mask_aligned && (mst[nd - 1] == 1 || d->shape[nd - 1] == 1);
+      for (int i = 0; i < nl && mask_whole; ++i)
+        if (d->shape[i] != 1 && (mst[i] * mbytes) % width != 0) mask_whole = 0;
+    }
   }
   if (d->klen_bytes) {
     smx_i64 ks[SMX_MAX_NDIM];
@@ -682,7 +776,7 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
     const int vec = d->aligned && smx_vector_ok(2, ops, nd, d->shape, item);
     const int aligned_rows = smx_rows_aligned(2, ops, nl, d->shape, SMX_CHUNK_BYTES / item);
     if (vec) flags |= SMX_F_VEC;
-    err = smx_plan_forward(rows, d->shape[nd - 1], d->dtype, d->mask_kind, vec, aligned_rows, l);
+    err = smx_plan_forward(rows, d->shape[nd - 1], d->dtype, d->mask_kind, vec, aligned_rows, mask_whole, l);
   }
   p->flags = flags;
   p->tpr_log2 = l->tpr_log2;

@@ -231,7 +231,7 @@ int main(int argc, char** argv) {
   memcpy(d.mask_shape, mshape, sizeof(mshape));
   smx_contiguous_strides(4, d.mask_shape, d.mask_strides);
   d.scale = scale;
-  d.aligned = 1; /* cuMemAlloc memory is 256-byte aligned */
+  d.aligned = d.mask_aligned = 1; /* cuMemAlloc memory is 256-byte aligned */
   SmxFwdParams params;
   SmxLaunch launch;
   const int rc = smx_fill_forward(&d, &params, &launch);

@@ -69,7 +69,7 @@ struct CUlib_st {
 };
 struct CUkern_st {
   char sym[512];
-  int dtype, mask, mtype, loop, nch, rpt; /* mask: 0 none, 1 hide (mtype: bytes), 2 add (mtype: 0 f16 1 bf16 2 f32 3 f64) */
+  int dtype, mask, mtype, loop, nch, rpt, whole; /* mask: 0 none, 1 hide (mtype: bytes), 2 add (mtype: 0 f16 1 bf16 2 f32 3 f64) */
 };
 
 CUresult cuLibraryLoadFromFile(CUlibrary* lib, const char* file, CUjit_option* o, void** ov, unsigned int no,
@@ -139,6 +139,10 @@ CUresult cuLibraryGetKernel(CUkernel* k, CUlibrary lib, const char* name) {
     q = eat(s ? s : eat_type(q, &kk->mtype), "E");
   }
   if (!q || !(q = eat_int(q, &kk->nch)) || (!kk->loop && !(q = eat_int(q, &kk->rpt)))) return CUDA_ERROR_NOT_FOUND;
+  if (!kk->loop) { /* the whole-chunk flag: Lb0E or Lb1E */
+    if ((p = eat(q, "Lb1E"))) kk->whole = 1;
+    else if (!(p = eat(q, "Lb0E"))) return CUDA_ERROR_NOT_FOUND;
+  }
   if (kk->loop) kk->rpt = 1;
   *k = kk;
   return CUDA_SUCCESS;
@@ -243,9 +247,11 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
   const char* klen = (const char*)(uintptr_t) * (CUdeviceptr*)args[3];
   const SmxFwdParams* p = (const SmxFwdParams*)args[4];
   const int small = (p->flags & SMX_F_SMALL) != 0, item = smx_dtype_size(k->dtype), n = 16 / item;
-  const int tpr = 1 << p->tpr_log2;
-  /* The launch covers every row, and every chunk of a row. */
-  if (k->loop ? (bx != SMX_BLOCK_THREADS || gx != p->rows) : (tpr > (int)bx || (smx_i64)gx * (bx / tpr) * k->rpt < p->rows || (smx_i64)(gx - 1) * (bx / tpr) * k->rpt >= p->rows)) {
+  /* Threads per row: 2^tpr_log2, or the whole block where that is narrower (one row per block). */
+  const int tpr = (1 << p->tpr_log2) < (int)bx ? 1 << p->tpr_log2 : (int)bx;
+  const smx_i64 rpb = (smx_i64)(bx / tpr) * k->rpt;
+  /* The launch covers every row (with no idle block), and every chunk of a row. */
+  if (k->loop ? (bx != SMX_BLOCK_THREADS || gx != p->rows) : (bx % 32 || gx * rpb < p->rows || (gx - 1) * rpb >= p->rows)) {
     fprintf(stderr, "stand-in driver: grid %u x block %u (tpr %d, rpt %d) does not fit %lld rows\n", gx, bx, tpr, k->rpt, (long long)p->rows);
     return CUDA_ERROR_LAUNCH_FAILED;
   }
@@ -254,6 +260,11 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
     const smx_i64 ox = row_offset(&p->map_x, r, small);
     const smx_i64 oy = (p->flags & SMX_F_SAMEMAP) ? ox : row_offset(&p->map_y, r, small);
     const int ofs = (p->flags & SMX_F_VEC) ? (int)(((uintptr_t)(x + ox * item) & 15) / item) : 0;
+    if (k->whole && (ofs || p->sk % n || !(p->flags & SMX_F_VEC))) {
+      fprintf(stderr, "stand-in driver: a whole-chunk kernel on a row off the chunk grid\n");
+      free(v);
+      return CUDA_ERROR_LAUNCH_FAILED;
+    }
     if (!k->loop && (smx_i64)tpr * k->nch * n < p->sk + ofs) {
       fprintf(stderr, "stand-in driver: %d threads x %d chunks do not cover a row of %d\n", tpr, k->nch, p->sk);
       free(v);
