@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from . import _args, _core, _driver, _dtypes
 from ._core import Operand
 from ._errors import arg_type_error, arg_value_error
+from ._intake import contiguous
 
 _PTR_MAX = 2**64 - 1
 
@@ -107,7 +108,7 @@ def forward(
     s = _args.stream_handle(stream)
     d = _int("device", device)
     sc, cz = _args.check_forward_call(xo, mo, ko, yo, scale, causal)
-    if any(n == 0 for n in shp):
+    if 0 in shp:
         return
     _need_data(xo, yo, mo, ko)
     run_forward(_ordinal(d), xo, yo, mo, ko, cz, sc, s)
@@ -141,7 +142,7 @@ def backward(
     s = _args.stream_handle(stream)
     d = _int("device", device)
     sc = _args.check_backward_call(do, yo, xo, scale)
-    if any(n == 0 for n in shp):
+    if 0 in shp:
         return
     _need_data(do, yo, xo)
     run_backward(_ordinal(d), do, yo, xo, sc, s)
@@ -173,12 +174,16 @@ def run_backward(ordinal: int, dy: Operand, y: Operand, dx: Operand, scale: floa
 
 
 def _int(name: str, v: object) -> int:
+    if type(v) is int:
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise arg_type_error(name, "an integer", f"{type(v).__name__} {v!r:.60}")
     return int(v)
 
 
 def _pointer(name: str, v: object) -> int:
+    if type(v) is int and 0 <= v <= _PTR_MAX:
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise arg_type_error(name, "a device pointer (an int)", f"{type(v).__name__} {v!r:.60}")
     p = int(v)
@@ -195,8 +200,6 @@ def _dtype_name(name: str, v: object) -> str:
 
 def _strides(name: str, v: Sequence[int] | None, shape: tuple[int, ...]) -> tuple[int, ...]:
     if v is None:
-        from ._intake import contiguous
-
         return contiguous(shape)
     if type(v) is tuple and len(v) == len(shape) and all(type(s) is int for s in v):
         return v
