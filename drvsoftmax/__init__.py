@@ -107,6 +107,10 @@ def scaled_masked_softmax(
         )
     if isinstance(x, np.ndarray):
         return _numpy_forward(x, mask, scale, causal, key_lengths, out, stream)
+    if type(x).__module__.startswith("jax"):  # jax.Array (and tracers, which it refuses)
+        from . import _jax
+
+        return _jax.forward(x, mask, scale, causal, key_lengths, out, stream)
     if hasattr(x, "__cuda_array_interface__"):  # CuPy, Numba, ...
         from . import _cai
 
@@ -130,6 +134,10 @@ def scaled_masked_softmax_backward(dy: Any, y: Any, *, scale: float = 1.0, out: 
         return front.scaled_masked_softmax_backward(dy, y, scale=scale, out=out, stream=stream)
     if isinstance(y, np.ndarray):
         return _numpy_backward(dy, y, scale, out, stream)
+    if type(y).__module__.startswith("jax"):
+        from . import _jax
+
+        return _jax.backward(dy, y, scale, out, stream)
     if hasattr(y, "__cuda_array_interface__"):
         from . import _cai
 
