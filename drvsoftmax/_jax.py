@@ -148,7 +148,7 @@ def _result(
 ) -> Any:
     """A jax.Array over memory `ptr` (ours, of DLPack device type `dl_type`), ready after the
     work queued on `stream`; `release` frees the memory once JAX lets go of it."""
-    from jax._src.lib import _jax
+    _jax = _jaxlib()
 
     nd = len(shape)
     buf = ctypes.create_string_buffer(_DLM.size + 16 * nd)
@@ -188,11 +188,22 @@ def _export(a: Any, stream: int) -> Any:
     """A DLPack export of `a` with `stream`: the stream waits for `a` to be computed (no host
     sync); the capsule holds a reference to a's memory while it lives."""
     try:
+        return _jaxlib().buffer_to_dlpack_managed_tensor(a, stream=stream)
+    except (ImportError, AttributeError, TypeError):  # (the public, slower way)
+        return a.__dlpack__(stream=stream)
+
+
+_jaxlib_mod: Any = None
+
+
+def _jaxlib() -> Any:
+    """jaxlib's extension module (DLPack export and import without the Python layers around them)."""
+    global _jaxlib_mod
+    if _jaxlib_mod is None:
         from jax._src.lib import _jax
 
-        return _jax.buffer_to_dlpack_managed_tensor(a, stream=stream)
-    except (ImportError, AttributeError, TypeError):
-        return a.__dlpack__(stream=stream)
+        _jaxlib_mod = _jax
+    return _jaxlib_mod
 
 
 def _operand(a: Any, dtype: str) -> _core.Operand:
@@ -242,13 +253,46 @@ def _stream_for(jdev: Any, stream: object) -> int:
     return s
 
 
-def _alloc(shape: tuple[int, ...], dtype: str, stream: int) -> int:
+_pools: dict[int, Any] = {}  # CUDA ordinal -> our memory pool (None: the device's default pool)
+
+
+def _pool(ordinal: int) -> Any:
+    """A stream-ordered memory pool of our own on the device, that keeps freed memory for
+    reuse (the default pool returns it to the driver at every synchronisation)."""
+    if ordinal in _pools:
+        return _pools[ordinal]
+    from cuda.bindings import driver
+
+    pool = None
+    try:
+        props = driver.CUmemPoolProps()
+        props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = ordinal
+        pool = check(driver.cuMemPoolCreate(props), "cuMemPoolCreate")
+        check(
+            driver.cuMemPoolSetAttribute(
+                pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1)
+            ),
+            "cuMemPoolSetAttribute",
+        )
+    except Exception:  # (a driver without pools of its own: the default pool)
+        pool = None
+    _pools[ordinal] = pool
+    return pool
+
+
+def _alloc(shape: tuple[int, ...], dtype: str, stream: int, ordinal: int) -> int:
     from cuda.bindings import driver
 
     n = _args.ITEMSIZE[dtype]
     for d in shape:
         n *= d
-    return int(check(driver.cuMemAllocAsync(n, driver.CUstream(stream)), "cuMemAllocAsync"))
+    pool = _pool(ordinal)
+    if pool is None:
+        return int(check(driver.cuMemAllocAsync(n, driver.CUstream(stream)), "cuMemAllocAsync"))
+    return int(check(driver.cuMemAllocFromPoolAsync(n, pool, driver.CUstream(stream)), "cuMemAllocFromPoolAsync"))
 
 
 def _empty_result(shape: tuple[int, ...], a: Any, jdev: Any) -> Any:
@@ -264,14 +308,14 @@ def _np(a: Any) -> np.ndarray:
 
 def _lengths(key_lengths: Any, x_shape: tuple[int, ...], jdev: Any) -> Any:
     """key_lengths as a JAX integer array on x's device (lists, tuples and NumPy arrays are put there)."""
-    import jax
-
     if isinstance(key_lengths, (list, tuple)):
         key_lengths = _args.lengths_array(key_lengths)
     if isinstance(key_lengths, np.ndarray):
         _args.check_key_lengths(key_lengths.shape, key_lengths.dtype.name, x_shape)
         # int32 with the same meaning (values clamp to [0, Sk] and Sk < 2**31): JAX keeps int64
         # only with x64 enabled
+        import jax
+
         hi = np.minimum(key_lengths, 2**31 - 1)
         return jax.device_put(
             np.maximum(hi, -1).astype(np.int32) if hi.dtype.kind == "i" else hi.astype(np.int32), jdev
@@ -335,7 +379,7 @@ def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: A
         keep.append(_export(key_lengths, s))
         ko = _operand(key_lengths, _dtname(key_lengths))
     with _Context(dev):
-        yp = _alloc(shape, dt, s)
+        yp = _alloc(shape, dt, s, dev.ordinal)
         try:
             _core.forward(dev, xo, xo._replace(ptr=yp), mo, ko, causal, scale, s)
         except BaseException:
@@ -380,7 +424,7 @@ def backward(dy: Any, y: Any, scale: Any, out: Any, stream: object) -> Any:
     keep = (_export(dy, s), _export(y, s))
     do, yo = _operand(dy, dt), _operand(y, dt)
     with _Context(dev):
-        dxp = _alloc(shape, dt, s)
+        dxp = _alloc(shape, dt, s, dev.ordinal)
         try:
             _core.backward(dev, do, yo, yo._replace(ptr=dxp), scale, s)
         except BaseException:

@@ -78,6 +78,8 @@ class _FakeArray:
     """Just enough of a jax.Array (by module name) for the front door's checks."""
 
     def __init__(self, shape=(2, 3, 4, 8), dtype="float16"):
+        if dtype == "bfloat16":
+            dtype = pytest.importorskip("ml_dtypes").bfloat16
         self.shape, self.dtype = shape, np.dtype(dtype)
 
     def devices(self):
@@ -326,3 +328,90 @@ def test_gpu_example_runs():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout and "cuda" in r.stdout.lower()
+
+
+class _FakeGpuDevice:
+    platform, id, local_hardware_id = "gpu", 0, 0
+
+    def get_stream_for_external_ready_events(self):
+        return 0x7F00
+
+
+class _FakeGpuArray(_FakeArray):
+    dev = _FakeGpuDevice()
+
+    def __init__(self, shape=(2, 3, 4, 8), dtype="float16", ptr=0x1000):
+        super().__init__(shape, dtype)
+        self.ptr = ptr
+
+    def devices(self):
+        return {self.dev}
+
+    def unsafe_buffer_pointer(self):
+        return self.ptr
+
+
+_FakeGpuArray.__module__ = "jaxlib._jax"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, fake_tracer):
+    from drvsoftmax import _core, _driver
+
+    calls = []
+
+    class Dev:
+        ordinal, ctx = 0, "ctx0"
+
+    class NoContext:
+        def __init__(self, dev):
+            pass
+
+        def __enter__(self):
+            calls.append(("enter",))
+
+        def __exit__(self, *a):
+            calls.append(("exit",))
+
+    monkeypatch.setattr(_jax, "_streams", {})
+    monkeypatch.setattr(_jax, "_export", lambda a, s: calls.append(("export", a.ptr, s)) or ("capsule", a.ptr))
+    monkeypatch.setattr(_driver, "device", lambda o: Dev())
+    monkeypatch.setattr(_jax, "_Context", NoContext)
+    monkeypatch.setattr(_jax, "_alloc", lambda shape, dt, s, o: calls.append(("alloc", shape, dt, s, o)) or 0x9000)
+    monkeypatch.setattr(_core, "forward", lambda *a: calls.append(("forward", *a[1:])))
+    monkeypatch.setattr(_core, "backward", lambda *a: calls.append(("backward", *a[1:])))
+
+    def result(jdev, ptr, shape, dtype, stream, release, keep, dl_type=2):
+        calls.append(("result", ptr, shape, dtype, stream, keep))
+        return "Y"
+
+    monkeypatch.setattr(_jax, "_result", result)
+    return calls
+
+
+def test_gpu_glue_orders_exports_alloc_launch_and_hand_back(fake_gpu):
+    x = _FakeGpuArray(ptr=0x1000)
+    mask = _FakeGpuArray((2, 1, 4, 8), "bool", ptr=0x2000)
+    kl = _FakeGpuArray((2,), "int32", ptr=0x3000)
+    assert drvsoftmax.scaled_masked_softmax(x, mask, scale=0.5, causal=True, key_lengths=kl) == "Y"
+    names = [c[0] for c in fake_gpu]
+    assert names == ["export", "export", "export", "enter", "alloc", "forward", "result", "exit"], names
+    assert [c[1:] for c in fake_gpu[:3]] == [(0x1000, 0x7F00), (0x2000, 0x7F00), (0x3000, 0x7F00)]
+    assert fake_gpu[4][1:] == ((2, 3, 4, 8), "float16", 0x7F00, 0)
+    xo, yo, mo, ko, causal, scale, stream = fake_gpu[5][1:]
+    assert (xo.ptr, yo.ptr, mo.ptr, ko.ptr) == (0x1000, 0x9000, 0x2000, 0x3000)
+    assert xo.strides == yo.strides == (96, 32, 8, 1) and mo.strides == (32, 32, 8, 1) and ko.dtype == "int32"
+    assert (causal, scale, stream) == (True, 0.5, 0x7F00)
+    ptr, shape, dtype, stream, keep = fake_gpu[6][1:]
+    assert (ptr, shape, dtype, stream) == (0x9000, (2, 3, 4, 8), "float16", 0x7F00)
+    assert keep == (("capsule", 0x1000), ("capsule", 0x2000), ("capsule", 0x3000)), "inputs held until the result goes"
+
+
+def test_gpu_glue_backward_and_a_given_stream(fake_gpu):
+    y, dy = _FakeGpuArray(dtype="bfloat16", ptr=0x1000), _FakeGpuArray(dtype="bfloat16", ptr=0x2000)
+    assert drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=2.0, stream=0x5500) == "Y"
+    names = [c[0] for c in fake_gpu]
+    assert names == ["export", "export", "enter", "alloc", "backward", "result", "exit"], names
+    do, yo, dxo, scale, stream = fake_gpu[4][1:]
+    assert (do.ptr, yo.ptr, dxo.ptr, do.dtype, scale, stream) == (0x2000, 0x1000, 0x9000, "bfloat16", 2.0, 0x5500)
+    assert fake_gpu[5][4] == 0x5500
