@@ -341,6 +341,8 @@ class _ThreadArgs(threading.local):
         self.buf4 = ctypes.create_string_buffer(56)
         self.addr4 = ctypes.addressof(self.buf4)
         struct.pack_into("3Q", self.buf4, 0, *(self.addr4 + 32 + 8 * i for i in range(3)))
+        self.a5 = (self.buf5, self.addr5)  # (one thread-local lookup per launch)
+        self.a4 = (self.buf4, self.addr4)
 
 
 _targs = _ThreadArgs()
@@ -373,13 +375,12 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
     that it is (None: unknown, ask the driver); a launch that finds no context, or a stream
     of another context, is retried through the CUkernel (with the context pushed if needed).
     """
-    a = _targs
     if prep.nargs == 5:
-        _pack5(a.buf5, 32, prep.params_addr, p0, p1, p2, p3)
-        argv_addr = a.addr5
+        buf, argv_addr = _targs.a5
+        _pack5(buf, 32, prep.params_addr, p0, p1, p2, p3)
     else:
-        _pack4(a.buf4, 24, prep.params_addr, p0, p1, p2)
-        argv_addr = a.addr4
+        buf, argv_addr = _targs.a4
+        _pack4(buf, 24, prep.params_addr, p0, p1, p2)
     if stream > 2 or ctx_ok:
         s = _streams.get(stream)
         if s is None:
