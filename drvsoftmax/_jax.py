@@ -64,8 +64,16 @@ def _refuse_traced(name: str, a: object) -> None:
         raise arg_type_error(name, _SUPPORTED, f"a JAX tracer ({type(a).__name__}: inside jax.jit or a transformation)")
 
 
+_names: dict[Any, str] = {}  # dtype -> its NumPy name (dtype.name is slow to compute)
+
+
 def _dtname(a: Any) -> str:
-    return str(a.dtype.name)  # NumPy's name, also for ml_dtypes' bfloat16: never guessed from the item size
+    """NumPy's name of a's dtype, also for ml_dtypes' bfloat16: never guessed from the item size."""
+    dt = a.dtype
+    n = _names.get(dt)
+    if n is None:
+        n = _names[dt] = str(dt.name)
+    return n
 
 
 def _device_of(name: str, a: Any) -> Any:
@@ -207,7 +215,7 @@ def _jaxlib() -> Any:
 
 
 def _operand(a: Any, dtype: str) -> _core.Operand:
-    shape = tuple(int(n) for n in a.shape)
+    shape = tuple(a.shape)
     return _core.Operand(int(a.unsafe_buffer_pointer()), dtype, shape, _row_major(shape))
 
 
@@ -221,7 +229,9 @@ def _check_array(name: str, a: Any, jdev: Any, like: str = "x") -> None:
 
 
 class _Context:
-    """The device's primary context current around our driver calls (JAX does not leave it current)."""
+    """The device's primary context current around our driver calls.  JAX leaves none current
+    on the calling thread: then it is made current and stays (as CuPy and PyTorch leave theirs);
+    another context that is current is restored afterwards."""
 
     def __init__(self, dev: _driver.Device) -> None:
         from cuda.bindings import driver
@@ -230,9 +240,12 @@ class _Context:
         self.pushed = False
 
     def __enter__(self) -> None:
-        cur = check(self.drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if cur != self.ctx:
-            check(self.drv.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        drv = self.drv
+        cur = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if cur is None or int(cur) == 0:
+            check(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        elif cur != self.ctx:
+            check(drv.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
             self.pushed = True
 
     def __exit__(self, *exc: object) -> None:
@@ -343,7 +356,7 @@ def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: A
     scale = _args.check_scale(scale)
     causal = _args.check_causal(causal)
     jdev = _device_of("x", x)
-    shape = tuple(int(n) for n in x.shape)
+    shape = tuple(x.shape)
     dt = _dtname(x)
     on_gpu = jdev.platform in ("gpu", "cuda")
     _args.check_x(
@@ -366,7 +379,7 @@ def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: A
         y = _reference.softmax_forward(_np(x), None if mask is None else _np(mask), scale, causal, kl)
         return _empty_result(shape, x, jdev) if y.size == 0 else _put(y, x, jdev)
     s = _stream_for(jdev, stream)
-    if any(n == 0 for n in shape):
+    if 0 in shape:
         return _empty_result(shape, x, jdev)
     dev = _driver.device(jdev.local_hardware_id)
     keep = [_export(x, s)]
@@ -392,7 +405,7 @@ def backward(dy: Any, y: Any, scale: Any, out: Any, stream: object) -> Any:
     _refuse_traced("y", y)
     scale = _args.check_scale(scale)
     jdev = _device_of("y", y)
-    shape = tuple(int(n) for n in y.shape)
+    shape = tuple(y.shape)
     dt = _dtname(y)
     on_gpu = jdev.platform in ("gpu", "cuda")
     _args.check_x(
@@ -418,7 +431,7 @@ def backward(dy: Any, y: Any, scale: Any, out: Any, stream: object) -> Any:
         dx = _reference.softmax_backward(_np(dy), _np(y), scale)
         return _empty_result(shape, y, jdev) if dx.size == 0 else _put(dx, y, jdev)
     s = _stream_for(jdev, stream)
-    if any(n == 0 for n in shape):
+    if 0 in shape:
         return _empty_result(shape, y, jdev)
     dev = _driver.device(jdev.local_hardware_id)
     keep = (_export(dy, s), _export(y, s))
