@@ -114,3 +114,21 @@ def test_backward_launch_writes_three_pointers(fake_cuda):
     got = fake_cuda.launches[-1]
     assert got["f"].startswith("CUfunction<smx_bwd")
     assert got["ptrs"] == [dy.data_ptr(), y.data_ptr(), dx.data_ptr()]
+
+
+def test_host_benchmark_runs_stubbed():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "host_torch.py"), "--stub", "--calls", "50", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(repo),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for row in ("drvsoftmax.torch", "drvsoftmax ", "launch only", "torch.empty_like"):
+        assert row in r.stdout, r.stdout
