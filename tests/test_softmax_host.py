@@ -132,3 +132,35 @@ def test_host_benchmark_runs_stubbed():
     assert r.returncode == 0, r.stdout + r.stderr
     for row in ("drvsoftmax.torch", "drvsoftmax ", "launch only", "torch.empty_like"):
         assert row in r.stdout, r.stdout
+
+
+class _PickyDriver(_Driver):
+    """Refuses the CUfunction with `code` (as a stream of another context would), takes the CUkernel."""
+
+    def __init__(self, code):
+        super().__init__()
+        self.code = code
+
+    def cuLaunchKernel(self, f, *rest):
+        if f.startswith("CUfunction<"):
+            self.launches.append({"f": f, "refused": self.code})
+            return (self.code,)
+        return super().cuLaunchKernel(f, *rest)
+
+
+@pytest.mark.parametrize("code", [400, 201])
+def test_launch_falls_back_to_the_kernel_handle(fake_cuda, monkeypatch, code):
+    drv = _PickyDriver(code)
+    monkeypatch.setattr(_core, "_drv", drv)
+    x = _x()
+    y = dt.scaled_masked_softmax(x, scale=0.5)
+    assert [launch["f"].split("<")[0] for launch in drv.launches] == ["CUfunction", "CUkernel"]
+    assert drv.launches[-1]["ptrs"] == [x.data_ptr(), y.data_ptr(), 0, 0]
+
+
+def test_launch_error_is_raised_not_retried(fake_cuda, monkeypatch):
+    drv = _PickyDriver(700)  # CUDA_ERROR_ILLEGAL_ADDRESS: no retry
+    monkeypatch.setattr(_core, "_drv", drv)
+    with pytest.raises(drvsoftmax.CudaDriverError, match="cuLaunchKernel"):
+        dt.scaled_masked_softmax(_x(), scale=0.5)
+    assert len(drv.launches) == 1
