@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import _args, _core, _driver, _reference
-from ._errors import arg_type_error, arg_value_error, check
+from ._errors import DrvSoftmaxError, arg_type_error, arg_value_error, check
 
 _SUPPORTED = (
     "a concrete jax.Array on one device, called outside jax.jit, vmap, grad and other JAX transformations "
@@ -172,14 +172,43 @@ def _result(
     cap = None
     try:
         cap = _capsule_new(addr, b"dltensor", None)
+        to_buffer = getattr(_jax, "dlpack_managed_tensor_to_buffer", None)
+        if to_buffer is None:  # (a jaxlib without it: the public import, on JAX's own stream)
+            return _public_import(cap, jdev, stream, dl_type)
         try:
-            return _jax.dlpack_managed_tensor_to_buffer(cap, jdev, stream, False, dl_type)
+            return to_buffer(cap, jdev, stream, False, dl_type)
         except TypeError:  # jaxlib before the dl_device_type argument
-            return _jax.dlpack_managed_tensor_to_buffer(cap, jdev, stream, False)
+            return to_buffer(cap, jdev, stream, False)
     except BaseException:
         if cap is None or _capsule_is_valid(cap, b"dltensor"):
             _free(addr)  # not taken over by JAX (it renames the capsules it takes): ours to free
         raise
+
+
+class _Exported:
+    """A DLPack producer around a capsule of ours, for jax.dlpack.from_dlpack."""
+
+    def __init__(self, cap: Any, dl: tuple[int, int]) -> None:
+        self.cap, self.dl = cap, dl
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.cap
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.dl
+
+
+def _public_import(cap: Any, jdev: Any, stream: int | None, dl_type: int) -> Any:
+    """jax.dlpack.from_dlpack of our capsule: JAX takes it ready after its own stream's work,
+    so the kernel must have run there."""
+    import jax
+
+    if stream is not None and stream != _jax_stream(jdev):
+        raise DrvSoftmaxError(
+            "stream= needs jaxlib's dlpack_managed_tensor_to_buffer, which this jaxlib lacks; "
+            "call without stream= (JAX's stream)"
+        )
+    return jax.dlpack.from_dlpack(_Exported(cap, (dl_type, jdev.local_hardware_id)), copy=False)
 
 
 _streams: dict[int, int] = {}  # JAX device id -> the stream JAX takes external work on

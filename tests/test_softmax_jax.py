@@ -189,11 +189,26 @@ def test_cpu_out_and_mask_types_refused():
         drvsoftmax.scaled_masked_softmax(x.reshape(2, 1, 8), key_lengths="3")
 
 
+class _PublicOnly:
+    """jaxlib's module without its private DLPack import (the public from_dlpack is used)."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __getattr__(self, name):
+        if name == "dlpack_managed_tensor_to_buffer":
+            raise AttributeError(name)
+        return getattr(self.mod, name)
+
+
 @needs_jax
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_result_hand_back_through_our_capsule(dtype):
+@pytest.mark.parametrize("way", ["jaxlib", "from_dlpack"])
+def test_result_hand_back_through_our_capsule(dtype, way, monkeypatch):
     """The DLPack view of memory we own: JAX reads our values with JAX's dtype, and our
     release runs (once) when JAX lets go; exported references kept alive until then."""
+    if way == "from_dlpack":
+        monkeypatch.setattr(_jax, "_jaxlib_mod", _PublicOnly(_jax._jaxlib()))
     cpu = jax.devices("cpu")[0]
     npdt = np.dtype(jnp.dtype(dtype))
     raw = np.zeros(4096, np.uint8)
