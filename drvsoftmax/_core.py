@@ -9,6 +9,7 @@ calls with the same layout only write pointers and launch.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -158,12 +159,14 @@ def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
 class Prepared:
     """Everything of one launch but the pointers and the stream."""
 
-    __slots__ = ("dev", "kernel", "grid", "block", "params", "params_addr", "plan", "nargs")
+    __slots__ = ("dev", "kernel", "func", "grid", "block", "params", "params_addr", "plan", "nargs")
 
     def __init__(self, dev: Device, plan: _plan.LaunchPlan, packed: bytes, nargs: int) -> None:
         self.dev = dev
         self.plan = plan
         self.kernel = dev.kernel(plan.kernel)
+        function = getattr(dev, "function", None)  # (stand-in devices of tests may have kernels only)
+        self.func = self.kernel if function is None else function(plan.kernel)
         self.grid, self.block = plan.grid, plan.block
         self.params = ctypes.create_string_buffer(packed, len(packed))
         self.params_addr = ctypes.addressof(self.params)
@@ -329,18 +332,28 @@ def backward_params(
 
 
 class _ThreadArgs(threading.local):
-    """Per-thread argument slots: the driver copies them at launch, so they are reused."""
+    """Per-thread kernel arguments; the driver copies them at launch, so they are reused.
+
+    Each buffer holds the kernelParams array (void*) and, after it, the pointer slots it
+    points at: a launch writes the parameter block's address and the pointers with one
+    struct.pack_into.  Forward (5 arguments): argv[0..4] at bytes 0..40, slots at 40..72.
+    Backward (4 arguments): argv[0..3] at bytes 0..32, slots at 32..56.
+    """
 
     def __init__(self) -> None:
-        self.slots = (ctypes.c_uint64 * 4)()
-        base = ctypes.addressof(self.slots)
-        self.argv5 = (ctypes.c_void_p * 5)(base, base + 8, base + 16, base + 24, None)
-        self.argv4 = (ctypes.c_void_p * 4)(base, base + 8, base + 16, None)
-        self.argv5_addr = ctypes.addressof(self.argv5)
-        self.argv4_addr = ctypes.addressof(self.argv4)
+        self.buf5 = ctypes.create_string_buffer(72)
+        self.addr5 = ctypes.addressof(self.buf5)
+        struct.pack_into("4Q", self.buf5, 0, *(self.addr5 + 40 + 8 * i for i in range(4)))
+        self.buf4 = ctypes.create_string_buffer(56)
+        self.addr4 = ctypes.addressof(self.buf4)
+        struct.pack_into("3Q", self.buf4, 0, *(self.addr4 + 32 + 8 * i for i in range(3)))
+        self.a5 = (self.buf5, self.addr5)  # (one thread-local lookup per launch)
+        self.a4 = (self.buf4, self.addr4)
 
 
 _targs = _ThreadArgs()
+_pack5 = struct.Struct("5Q").pack_into  # params address, then 4 pointers, from byte 32 of buf5
+_pack4 = struct.Struct("4Q").pack_into  # params address, then 3 pointers, from byte 24 of buf4
 _streams: dict[int, Any] = {}  # handle -> driver.CUstream
 
 
@@ -356,37 +369,49 @@ def _stream_obj(handle: int) -> Any:
 
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+_INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
 
 
 def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_ok: bool | None = None) -> None:
     """One cuLaunchKernel of a prepared launch with these pointers on `stream`.
 
-    A legacy or per-thread default stream (handles 0, 1, 2) means 'of the current
-    context'; then the launch must happen with the tensor's device's primary context
-    current.  `ctx_ok` is the front door's belief that it is (None: unknown, ask the
-    driver); a launch that finds no context at all is retried with it pushed.
+    The launch takes the kernel's CUfunction in its device's primary context.  A legacy or
+    per-thread default stream (handles 0, 1, 2) means 'of the current context'; then the
+    launch must happen with that context current.  `ctx_ok` is the front door's belief
+    that it is (None: unknown, ask the driver); a launch that finds no context, or a stream
+    of another context, is retried through the CUkernel (with the context pushed if needed).
     """
-    a = _targs
-    s = a.slots
-    s[0] = p0
-    s[1] = p1
-    s[2] = p2
-    s[3] = p3
     if prep.nargs == 5:
-        a.argv5[4] = prep.params_addr
-        argv_addr = a.argv5_addr
+        buf, argv_addr = _targs.a5
+        _pack5(buf, 32, prep.params_addr, p0, p1, p2, p3)
     else:
-        a.argv4[3] = prep.params_addr
-        argv_addr = a.argv4_addr
-    drv = _drv or _load_driver()
+        buf, argv_addr = _targs.a4
+        _pack4(buf, 24, prep.params_addr, p0, p1, p2)
     if stream > 2 or ctx_ok:
-        err = drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0)[
+        s = _streams.get(stream)
+        if s is None:
+            s = _stream_obj(stream)
+        err = (_drv or _load_driver()).cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, s, argv_addr, 0)[
             0
         ]
         if not err:
             return
-        if stream > 2 or int(err) != _INVALID_CONTEXT:
-            check((err,), "cuLaunchKernel")
+        _relaunch(prep, argv_addr, stream, err)
+        return
+    _launch_in_context(prep, argv_addr, stream)
+
+
+def _relaunch(prep: Prepared, argv_addr: int, stream: int, err: Any) -> None:
+    """After the CUfunction's launch failed with `err`: the CUkernel, which the driver
+    resolves in the stream's (or the current) context, and the context pushed if none is."""
+    if int(err) not in (_INVALID_CONTEXT, _INVALID_HANDLE):
+        check((err,), "cuLaunchKernel")
+    drv = _drv or _load_driver()
+    err2 = drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0)[0]
+    if not err2:
+        return
+    if stream > 2 or int(err2) != _INVALID_CONTEXT:
+        check((err2,), "cuLaunchKernel")
     _launch_in_context(prep, argv_addr, stream)
 
 

@@ -71,6 +71,7 @@ class Device:
         self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
         self.ctx = check(d.cuDevicePrimaryCtxRetain(self.cudev), "cuDevicePrimaryCtxRetain")
         self._kernels: dict[str, object] = {}
+        self._functions: dict[str, object] = {}
         self.origins: dict[str, str] = {}
 
     def kernel(self, name: str) -> Any:
@@ -88,12 +89,22 @@ class Device:
             # at the first launch, which may be inside a graph capture).
             check(d.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
             try:
-                check(d.cuKernelGetFunction(k), "cuKernelGetFunction")
+                f = check(d.cuKernelGetFunction(k), "cuKernelGetFunction")
             finally:
                 check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
             self.origins[name] = origin
+            self._functions[name] = f
             self._kernels[name] = k
             return k
+
+    def function(self, name: str) -> Any:
+        """The CUfunction of kernel `name` in this device's primary context: launches take it
+        as it is (a CUkernel would be resolved to it by the driver on every launch)."""
+        f = self._functions.get(name)
+        if f is None:
+            self.kernel(name)
+            f = self._functions[name]
+        return f
 
 
 def device(ordinal: int) -> Device:

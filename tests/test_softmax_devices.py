@@ -30,7 +30,7 @@ def fake_driver(monkeypatch):
     def fake_device_init(self, ordinal):
         self.ordinal, self.arch, self.cc = ordinal, archs[ordinal], int(archs[ordinal][3:])
         self.sm_count, self.name, self.ctx = 132, f"fake{ordinal}", f"ctx{ordinal}"
-        self._kernels, self.origins = {}, {}
+        self._kernels, self._functions, self.origins = {}, {}, {}
         self.pushed = []
 
     monkeypatch.setattr(_driver.Device, "__init__", fake_device_init)
