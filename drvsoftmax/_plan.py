@@ -80,6 +80,14 @@ def kernel_bwd_loop(dtype: str) -> str:
     return f"smx_bwd_loop<{_t(dtype)}, {LOOP_NCH}>"
 
 
+def kernel_fwd_cluster(dtype: str, mask_kind: str) -> str:
+    return f"smx_fwd_cluster<{_t(dtype)}, {MASK_KINDS[mask_kind]}>"
+
+
+def kernel_bwd_cluster(dtype: str) -> str:
+    return f"smx_bwd_cluster<{_t(dtype)}>"
+
+
 def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
@@ -89,12 +97,15 @@ def all_kernel_names() -> list[str]:
             names.append(kernel_fwd_loop(dt, mk))
         names += [kernel_bwd(dt, nch, rpt) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
         names.append(kernel_bwd_loop(dt))
+    for dt in X_DTYPES:  # the cluster tier (sm_90+) last: the earlier names keep their order
+        names += [kernel_fwd_cluster(dt, mk) for mk in MASK_KINDS]
+        names.append(kernel_bwd_cluster(dt))
     return names
 
 
 # Mask kinds the wheel precompiles: none, bool / 8-bit integer masks, an additive mask of
 # x's own dtype.  Wider integer masks and other float masks compile on first use, as do
-# rows beyond the register tier (> 16384 keys).
+# rows beyond the register tier (> 16384 keys: the cluster and looped tiers).
 def packaged_mask_kinds(dtype: str) -> tuple[str, ...]:
     return ("none", "hide1", f"add_{dtype}")
 
@@ -111,21 +122,86 @@ def packaged_kernel_names() -> list[str]:
     return names
 
 
+# ----------------------------------------------------------------------------------
+# The cluster tier (sm_90+): rows beyond the register tier held on chip by a thread-block
+# cluster of CS CTAs (softmax_cluster.cu).  Each CTA keeps its slice of the row, Q chunks
+# per thread, raw in dynamic shared memory: x (and the mask) forward, dy and y backward.
+CLUSTER_MIN_CC = 90  # compute capability of the first chip with clusters
+CLUSTER_SIZES = (2, 4, 8, 16)  # CTAs per cluster; more than 8 is a non-portable size
+CLUSTER_PORTABLE = 8
+CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
+# Shared memory per CTA the planner aims below, so that several CTAs share an SM (one
+# CTA's loads overlap another's reductions and stores); larger slices are taken up to the
+# device's per-block limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).
+CLUSTER_SMEM_TARGET = 64 * 1024
+CLUSTER_SMEM_RESERVE = 1024
+
+# Bytes of one mask element, by kind (a chunk of N x elements holds N of them).
+MASK_ELEM_BYTES = {
+    "none": 0,
+    "hide1": 1,
+    "hide2": 2,
+    "hide4": 4,
+    "hide8": 8,
+    "add_float16": 2,
+    "add_bfloat16": 2,
+    "add_float32": 4,
+    "add_float64": 8,
+}
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What the planner needs to know of a device: its compute capability (90 for sm_90)
+    and the dynamic shared memory one block may opt in to (bytes)."""
+
+    cc: int
+    smem_per_block: int
+
+    @property
+    def clusters(self) -> bool:
+        return self.cc >= CLUSTER_MIN_CC and self.smem_per_block > CLUSTER_SMEM_RESERVE
+
+
+def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None) -> tuple[int, int, int] | None:
+    """(CTAs per cluster, chunks per thread Q, dynamic shared memory per CTA) holding a row
+    of `chunks` 16-byte chunks at `slot_bytes` of shared memory per chunk; None when the
+    device has no clusters or the row does not fit."""
+    if caps is None or not caps.clusters:
+        return None
+    limit = caps.smem_per_block - CLUSTER_SMEM_RESERVE
+    fits = []
+    for cs in CLUSTER_SIZES:
+        q = CLUSTER_STEP * _ceil_div(chunks, cs * BLOCK * CLUSTER_STEP)
+        smem = q * BLOCK * slot_bytes
+        if smem <= limit:
+            fits.append((cs, q, smem))
+    for cs, q, smem in fits:
+        if smem <= CLUSTER_SMEM_TARGET:
+            return cs, q, smem
+    return fits[-1] if fits else None
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
-    tier: str  # "register" or "loop"
+    tier: str  # "register", "cluster" or "loop"
     grid: int
     block: int
     tpr_log2: int  # log2(threads per row)
-    nch: int  # chunks per thread and row (per segment in the looped tier)
+    nch: int  # chunks per thread and row (per segment in the looped tier, in all in the cluster tier)
     rpt: int  # rows per thread
     vector: bool  # 16-byte accesses
     reason: str  # which table row chose it
+    cluster: int = 0  # CTAs per cluster (cluster tier), else 0
+    smem: int = 0  # dynamic shared memory per block (bytes)
 
     def describe(self) -> str:
+        shape = f"grid {self.grid} x block {self.block}"
+        if self.cluster:
+            shape += f" in clusters of {self.cluster}, {self.smem} bytes of shared memory per block"
         return (
-            f"{self.tier} tier: {self.kernel}, grid {self.grid} x block {self.block}, "
+            f"{self.tier} tier: {self.kernel}, {shape}, "
             f"{1 << self.tpr_log2} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
             f"{'16-byte vector' if self.vector else 'element-wise'} access; {self.reason}"
         )
@@ -174,15 +250,56 @@ def _check_grid(grid: int) -> int:
     return grid
 
 
-def plan_forward(rows: int, sk: int, dtype: str, mask_kind: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
+def _cluster_plan(
+    name: str, rows: int, sk: int, item: int, aligned_rows: bool, slot_bytes: int, vector: bool, caps: DeviceCaps
+) -> LaunchPlan | None:
+    chunks = row_chunks(sk, item, aligned_rows)
+    shape = cluster_shape(chunks, slot_bytes, caps)
+    if shape is None:
+        return None
+    cs, q, smem = shape
+    if rows * cs > MAX_GRID:
+        return None
+    why = (
+        f"{chunks} chunks per row beyond the register tier, held on chip by a cluster of {cs} blocks "
+        f"({q} chunk(s) per thread, sm_{caps.cc})"
+    )
+    return LaunchPlan(name, "cluster", rows * cs, BLOCK, _log2_ceil(BLOCK), q, 1, vector, why, cs, smem)
+
+
+def plan_forward(
+    rows: int,
+    sk: int,
+    dtype: str,
+    mask_kind: str,
+    vector: bool,
+    aligned_rows: bool = True,
+    caps: DeviceCaps | None = None,
+) -> LaunchPlan:
+    """`caps`: the device's (compute capability, shared memory); None plans for any device
+    (no cluster tier)."""
     item = X_DTYPES[dtype][1]
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows or not vector)
+    aligned_rows = aligned_rows or not vector
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows)
+    if tier == "loop" and caps is not None:
+        slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ELEM_BYTES[mask_kind]
+        name = kernel_fwd_cluster(dtype, mask_kind)
+        plan = _cluster_plan(name, rows, sk, item, aligned_rows, slot, vector, caps)
+        if plan is not None:
+            return plan
     name = kernel_fwd(dtype, mask_kind, nch, rpt) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
     return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason)
 
 
-def plan_backward(rows: int, sk: int, dtype: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
+def plan_backward(
+    rows: int, sk: int, dtype: str, vector: bool, aligned_rows: bool = True, caps: DeviceCaps | None = None
+) -> LaunchPlan:
     item = X_DTYPES[dtype][1]
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows or not vector)
+    aligned_rows = aligned_rows or not vector
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows)
+    if tier == "loop" and caps is not None:
+        plan = _cluster_plan(kernel_bwd_cluster(dtype), rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+        if plan is not None:
+            return plan
     name = kernel_bwd(dtype, nch, rpt) if tier == "register" else kernel_bwd_loop(dtype)
     return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason)
