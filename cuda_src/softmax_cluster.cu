@@ -169,8 +169,9 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   }
   smx_cp_wait_all();  // each thread reads back only the slots it filled
 
-  // PAIR: this thread's (max, sum), then the warp's, the CTA's, the row's.
-  float m = -SMX_INF;
+  // PAIR: this thread's (max, sum), a step of U chunks at a time (merged as they come),
+  // then the warp's, the CTA's, the row's.
+  float m = -SMX_INF, s = 0.0f;
   for (int q0 = 0; q0 < q_count; q0 += U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
@@ -181,26 +182,13 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
       if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_BLOCK + tid];
     }
     smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.scale);
-    m = fmaxf(m, mx[0]);
-  }
-  float s = 0.0f;
-  {
-    const float ml = smx_max_use(m) * SMX_LOG2E;
-    for (int q0 = 0; q0 < q_count; q0 += U) {
-      Chunk<T> cx[1][U];
-      MC cm[1][U];
-      float v[1][U][N], mx[1];
+    const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
+    float t = 0.0f;
 #pragma unroll
-      for (int k = 0; k < U; ++k) {
-        cx[0][k] = xs[(q0 + k) * SMX_BLOCK + tid];
-        if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_BLOCK + tid];
-      }
-      smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.scale);
+    for (int k = 0; k < U; ++k)
 #pragma unroll
-      for (int k = 0; k < U; ++k)
-#pragma unroll
-        for (int e = 0; e < N; ++e) s += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
-    }
+      for (int e = 0; e < N; ++e) t += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+    smx_pair_merge(m, s, mx[0], t);
   }
   smx_warp_pair_merge(m, s);
   const int warp = tid >> 5;

@@ -14,7 +14,8 @@ import threading
 from typing import Any
 
 from . import _loader, _plan
-from ._errors import DrvSoftmaxError, check
+from ._errors import CudaDriverError, DrvSoftmaxError, check
+from ._log import log
 
 _lock = threading.RLock()
 _init_pid: int | None = None
@@ -111,25 +112,28 @@ class Device:
             d = _drv()
             k = self.kernel(name)
             F = d.CUfunction_attribute
-            if self._smem_set.get(name, 0) < smem:
-                check(
-                    d.cuKernelSetAttribute(F.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, k, self.cudev),
-                    "cuKernelSetAttribute",
-                )
-                self._smem_set[name] = smem
-            if cluster > _plan.CLUSTER_PORTABLE:
-                check(
-                    d.cuKernelSetAttribute(F.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, k, self.cudev),
-                    "cuKernelSetAttribute",
-                )
             check(d.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
             try:
                 f = check(d.cuKernelGetFunction(k), "cuKernelGetFunction")
+                if self._smem_set.get(name, 0) < smem:
+                    check(
+                        d.cuFuncSetAttribute(f, F.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                        "cuFuncSetAttribute",
+                    )
+                    self._smem_set[name] = smem
+                if cluster > _plan.CLUSTER_PORTABLE:
+                    check(
+                        d.cuFuncSetAttribute(f, F.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                        "cuFuncSetAttribute",
+                    )
                 cfg = cluster_config(cluster, cluster, block, smem)
-                n = check(d.cuOccupancyMaxActiveClusters(f, cfg), "cuOccupancyMaxActiveClusters")
+                n = int(check(d.cuOccupancyMaxActiveClusters(f, cfg), "cuOccupancyMaxActiveClusters"))
+            except CudaDriverError as e:  # a size this device refuses: the looped tier instead
+                log.info("clusters of %d x %d bytes for %s unavailable on %s: %s", cluster, smem, name, self.name, e)
+                n = 0
             finally:
                 check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
-            ok = self._cluster_ready[key] = int(n) > 0
+            ok = self._cluster_ready[key] = n > 0
             return ok
 
 

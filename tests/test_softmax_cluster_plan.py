@@ -180,3 +180,49 @@ def test_cluster_kernels_are_built_for_sm_90_only():
         assert needle not in text80
     assert "ld.shared::cluster" in text90 and "cp.async.cg.shared.global" in text90
     assert "cp.async" not in text80
+
+
+class _FakeDevice:
+    """What _core.prepare_* asks of a device, without one."""
+
+    def __init__(self, caps, ready):
+        self.caps = caps
+        self.ready = ready
+        self.asked = []
+
+    def kernel(self, name):
+        return name
+
+    def cluster_ready(self, name, cluster, smem, block):
+        self.asked.append((name, cluster, smem, block))
+        return self.ready
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_prepared_cluster_launch_or_loop_fallback(ready):
+    """A cluster plan is kept when the device can run its clusters (and then carries its
+    launch configuration: grid, block, cluster dims, dynamic shared memory), else the
+    launch is planned again without the cluster tier."""
+    pytest.importorskip("cuda.bindings")
+    shape = (3, 50001)
+    x = _core.Operand(0, "bfloat16", shape, (50001, 1))
+    dev = _FakeDevice(H200, ready)
+    prep = _core.prepare_forward(dev, x, x, None, None, False, 0.5, True)
+    expected = _plan.plan_forward(3, 50001, "bfloat16", "none", True, True, H200)
+    assert dev.asked == [(expected.kernel, expected.cluster, expected.smem, 256)]
+    if ready:
+        assert prep.plan == expected and prep.kernel == expected.kernel
+        cfg = prep.cluster
+        assert (cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes) == (3 * expected.cluster, 256, expected.smem)
+        assert cfg.numAttrs == 1 and cfg.attrs[0].value.clusterDim.x == expected.cluster
+    else:
+        assert prep.plan.tier == "loop" and prep.cluster is None
+        assert prep.plan == _plan.plan_forward(3, 50001, "bfloat16", "none", True, True, None)
+    dev = _FakeDevice(H200, ready)
+    prep = _core.prepare_backward(dev, x, x, x, 0.5, True)
+    assert prep.plan.tier == ("cluster" if ready else "loop") and (prep.cluster is not None) == ready
+    # Short rows never ask.
+    dev = _FakeDevice(H200, ready)
+    short = _core.Operand(0, "float16", (4, 1000), (1000, 1))
+    prep = _core.prepare_forward(dev, short, short, None, None, False, 1.0, True)
+    assert prep.plan.tier == "register" and prep.cluster is None and dev.asked == []
