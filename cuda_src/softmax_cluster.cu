@@ -6,6 +6,8 @@
 //   LOAD    every chunk a thread owns goes to dynamic shared memory, raw, all in flight:
 //           whole aligned chunks by cp.async (16 bytes, no registers held), the few others
 //           (a row's first and last chunk, strided rows) through the register tier's LOAD;
+//           committed in SMX_CL_PARTS groups, so that PAIR starts on the first part of the
+//           slice while the rest still arrives;
 //   PAIR    the thread's (max, sum) over its chunks (the register tier's VALUES), merged
 //           over the warp, the CTA, then the cluster: each CTA publishes its pair in shared
 //           memory, and after one cluster barrier (arrive.release / wait.acquire) every warp
@@ -27,6 +29,9 @@
 #include "softmax_common.cuh"
 
 #define SMX_CL_U 4  // chunks per thread per step of PAIR and STORE
+// The slice is loaded in SMX_CL_PARTS parts, each a commit group of whole steps of U
+// chunks: part g covers steps [smx_part_begin(g), smx_part_begin(g + 1)).
+#define SMX_CL_PARTS 4
 
 extern __shared__ __align__(16) unsigned char smx_cl_dyn[];
 
@@ -79,7 +84,20 @@ template <int B> __device__ __forceinline__ void smx_cp_bytes(void* dst, const v
     smx_cp_small<(B < 16 ? B : 8)>(dst, src);
   }
 }
-__device__ __forceinline__ void smx_cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ int smx_part_begin(int g, int steps) { return g * steps / SMX_CL_PARTS; }
+__device__ __forceinline__ void smx_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Wait until at most G of this thread's committed groups are still in flight.
+template <int G> __device__ __forceinline__ void smx_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(G) : "memory");
+}
+__device__ __forceinline__ void smx_cp_wait_parts_after(int g) {  // part g has landed
+  switch (SMX_CL_PARTS - 1 - g) {
+    case 0: smx_cp_wait<0>(); break;
+    case 1: smx_cp_wait<1>(); break;
+    case 2: smx_cp_wait<2>(); break;
+    default: smx_cp_wait<3>(); break;
+  }
+}
 
 // (m, s) pairs: merged over the 32 lanes of a warp with a butterfly (each step combines the
 // same two partial results in every lane, and the merge is commutative: every lane ends
@@ -141,54 +159,68 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   rw[0] = smx_fwd_row<T, M>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / cs));
   const typename M::S* m0 = (const typename M::S*)mask;
 
-  // LOAD: everything in flight; whole aligned chunks without registers.
-#pragma unroll 4
-  for (int q = 0; q < q_count; ++q) {
-    const int c = cb + q * SMX_BLOCK + tid;
-    const int slot = q * SMX_BLOCK + tid;
-    const int j0 = c * N - rw[0].ofs;
-    if (smx_in(c, rw[0].c0, rw[0].c1)) {
-      smx_cp16(&xs[slot], rw[0].x + j0);
-      if (M::PRESENT) {
-        if (rw[0].mvec) {
-          smx_cp_bytes<N * (int)sizeof(typename M::S)>(&ms[slot], rw[0].m + j0);
-        } else {
-          MC cm;
-          smx_gather<sizeof(typename M::S), N * (int)sizeof(typename M::S) / 4>(cm.b.w, rw[0].m, p.sm, j0,
-                                                                               rw[0].lim, N);
-          ms[slot] = cm;
+  // LOAD: everything in flight; whole aligned chunks without registers.  Committed in
+  // parts, so that PAIR starts on the first part while the others still arrive.
+  const int steps = q_count / U;
+#pragma unroll 1
+  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+#pragma unroll 1
+    for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int q = st * U + u;
+        const int c = cb + q * SMX_BLOCK + tid;
+        const int slot = q * SMX_BLOCK + tid;
+        const int j0 = c * N - rw[0].ofs;
+        if (smx_in(c, rw[0].c0, rw[0].c1)) {
+          smx_cp16(&xs[slot], rw[0].x + j0);
+          if (M::PRESENT) {
+            if (rw[0].mvec) {
+              smx_cp_bytes<N * (int)sizeof(typename M::S)>(&ms[slot], rw[0].m + j0);
+            } else {
+              MC cm;
+              smx_gather<sizeof(typename M::S), N * (int)sizeof(typename M::S) / 4>(cm.b.w, rw[0].m, p.sm, j0,
+                                                                                   rw[0].lim, N);
+              ms[slot] = cm;
+            }
+          }
+        } else if (j0 < rw[0].lim && j0 + N > 0) {
+          Chunk<T> cx[1][1];
+          MC cm[1][1];
+          smx_fwd_load<T, M, 1, 1>(cx, cm, rw, c, SMX_BLOCK, p, x, m0);
+          xs[slot] = cx[0][0];
+          if (M::PRESENT) ms[slot] = cm[0][0];
         }
       }
-    } else if (j0 < rw[0].lim && j0 + N > 0) {
-      Chunk<T> cx[1][1];
-      MC cm[1][1];
-      smx_fwd_load<T, M, 1, 1>(cx, cm, rw, c, SMX_BLOCK, p, x, m0);
-      xs[slot] = cx[0][0];
-      if (M::PRESENT) ms[slot] = cm[0][0];
     }
+    smx_cp_commit();  // part g: one group (possibly empty)
   }
-  smx_cp_wait_all();  // each thread reads back only the slots it filled
 
   // PAIR: this thread's (max, sum), a step of U chunks at a time (merged as they come),
   // then the warp's, the CTA's, the row's.
   float m = -SMX_INF, s = 0.0f;
-  for (int q0 = 0; q0 < q_count; q0 += U) {
-    Chunk<T> cx[1][U];
-    MC cm[1][U];
-    float v[1][U][N], mx[1];
+#pragma unroll 1
+  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+    smx_cp_wait_parts_after(g);  // each thread reads back only the slots it filled
+#pragma unroll 1
+    for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
+      Chunk<T> cx[1][U];
+      MC cm[1][U];
+      float v[1][U][N], mx[1];
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-      cx[0][k] = xs[(q0 + k) * SMX_BLOCK + tid];
-      if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_BLOCK + tid];
+      for (int k = 0; k < U; ++k) {
+        cx[0][k] = xs[(q0 + k) * SMX_BLOCK + tid];
+        if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_BLOCK + tid];
+      }
+      smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.scale);
+      const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
+      float t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+#pragma unroll
+        for (int e = 0; e < N; ++e) t += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+      smx_pair_merge(m, s, mx[0], t);
     }
-    smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.scale);
-    const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
-    float t = 0.0f;
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int e = 0; e < N; ++e) t += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
-    smx_pair_merge(m, s, mx[0], t);
   }
   smx_warp_pair_merge(m, s);
   const int warp = tid >> 5;
@@ -253,35 +285,48 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
   rw[0] = smx_bwd_row<T>(dy, y, dx, p, (smx_i64)(blockIdx.x / cs));
   const bool vec = (p.flags & SMX_F_VEC) != 0;
 
-#pragma unroll 4
-  for (int q = 0; q < q_count; ++q) {
-    const int c = cb + q * SMX_BLOCK + tid;
-    const int slot = q * SMX_BLOCK + tid;
-    const int j0 = c * N - rw[0].ofs;
-    if (smx_in(c, rw[0].c0, rw[0].c1)) {
-      smx_cp16(&ds[slot], rw[0].dy + j0);
-      smx_cp16(&ys[slot], rw[0].y + j0);
-    } else if (j0 < p.sk && j0 + N > 0) {
-      Chunk<T> cd, cy;
-      smx_load_chunk<T>(cd, rw[0].dy, p.sdy, j0, p.sk, vec, dy, p.span_dy);
-      smx_load_chunk<T>(cy, rw[0].y, p.sy, j0, p.sk, vec, y, p.span_y);
-      ds[slot] = cd;
-      ys[slot] = cy;
+  const int steps = q_count / U;
+#pragma unroll 1
+  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+#pragma unroll 1
+    for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int q = st * U + u;
+        const int c = cb + q * SMX_BLOCK + tid;
+        const int slot = q * SMX_BLOCK + tid;
+        const int j0 = c * N - rw[0].ofs;
+        if (smx_in(c, rw[0].c0, rw[0].c1)) {
+          smx_cp16(&ds[slot], rw[0].dy + j0);
+          smx_cp16(&ys[slot], rw[0].y + j0);
+        } else if (j0 < p.sk && j0 + N > 0) {
+          Chunk<T> cd, cy;
+          smx_load_chunk<T>(cd, rw[0].dy, p.sdy, j0, p.sk, vec, dy, p.span_dy);
+          smx_load_chunk<T>(cy, rw[0].y, p.sy, j0, p.sk, vec, y, p.span_y);
+          ds[slot] = cd;
+          ys[slot] = cy;
+        }
+      }
     }
+    smx_cp_commit();
   }
-  smx_cp_wait_all();
 
   float dot = 0.0f;
-  for (int q0 = 0; q0 < q_count; q0 += U) {
-    Chunk<T> cd[1][U], cy[1][U];
-    float t[1];
+#pragma unroll 1
+  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+    smx_cp_wait_parts_after(g);
+#pragma unroll 1
+    for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
+      Chunk<T> cd[1][U], cy[1][U];
+      float t[1];
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-      cd[0][k] = ds[(q0 + k) * SMX_BLOCK + tid];
-      cy[0][k] = ys[(q0 + k) * SMX_BLOCK + tid];
+      for (int k = 0; k < U; ++k) {
+        cd[0][k] = ds[(q0 + k) * SMX_BLOCK + tid];
+        cy[0][k] = ys[(q0 + k) * SMX_BLOCK + tid];
+      }
+      smx_bwd_dot<T, U, 1>(t, cd, cy, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.sk);
+      dot += t[0];
     }
-    smx_bwd_dot<T, U, 1>(t, cd, cy, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.sk);
-    dot += t[0];
   }
   dot = smx_warp_sum(dot);
   const int warp = tid >> 5;

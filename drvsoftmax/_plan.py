@@ -163,6 +163,18 @@ class DeviceCaps:
         return self.cc >= CLUSTER_MIN_CC and self.smem_per_block > CLUSTER_SMEM_RESERVE
 
 
+# Dynamic shared memory one block may opt in to, by compute capability (the CUDA
+# programming guide's table), for planning without a device (`explain(arch=...)`); an
+# unknown architecture of sm_90 or newer is assumed to have the smallest of them.
+SMEM_PER_BLOCK_OPTIN = {90: 232448, 100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
+
+
+def caps_of_arch(cc: int) -> DeviceCaps:
+    """The DeviceCaps of a compute capability (90 for sm_90), from SMEM_PER_BLOCK_OPTIN."""
+    smem = SMEM_PER_BLOCK_OPTIN.get(cc, min(SMEM_PER_BLOCK_OPTIN.values()) if cc >= CLUSTER_MIN_CC else 0)
+    return DeviceCaps(cc, smem)
+
+
 def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None) -> tuple[int, int, int] | None:
     """(CTAs per cluster, chunks per thread Q, dynamic shared memory per CTA) holding a row
     of `chunks` 16-byte chunks at `slot_bytes` of shared memory per chunk; None when the

@@ -226,3 +226,20 @@ def test_prepared_cluster_launch_or_loop_fallback(ready):
     short = _core.Operand(0, "float16", (4, 1000), (1000, 1))
     prep = _core.prepare_forward(dev, short, short, None, None, False, 1.0, True)
     assert prep.plan.tier == "register" and prep.cluster is None and dev.asked == []
+
+
+def test_explain_plans_for_an_architecture():
+    import drvsoftmax
+
+    text = drvsoftmax.explain((2, 8, 65536), "float16", arch="sm_90")
+    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone>") and "clusters of" in text
+    assert drvsoftmax.explain((2, 8, 65536), "float16", arch="sm_90", backward=True).startswith(
+        "cluster tier: smx_bwd_cluster<smx_f16>"
+    )
+    assert drvsoftmax.explain((2, 65536), "float32", mask_dtype="bool", arch="sm_120").startswith("cluster tier")
+    for arch in ("sm_80", "sm_89", None):
+        assert drvsoftmax.explain((2, 8, 65536), "float16", arch=arch).startswith("loop tier")
+    assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")
+    with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^arch must be of the form 'sm_XY'"):
+        drvsoftmax.explain((2, 65536), "float16", arch="hopper")
+    assert _plan.caps_of_arch(90) == H200 and _plan.caps_of_arch(120) == RTX and not _plan.caps_of_arch(86).clusters
