@@ -1,9 +1,14 @@
 // drvsoftmax long rows on sm_90+: a thread-block cluster per row, every byte read once.
 //
 // A cluster of CS CTAs (2..16, chosen at launch; grid = rows * CS, cluster dims (CS, 1, 1))
-// works on one row.  CTA `rank` owns chunks [rank * Q * B, (rank + 1) * Q * B) of the row
-// (B = SMX_BLOCK threads, Q chunks per thread); thread t owns chunks rank * Q * B + q * B + t.
-//   LOAD    every chunk a thread owns goes to dynamic shared memory, raw, all in flight:
+// works on one row.  CTA `rank` owns chunks [rank * K * B, (rank + 1) * K * B) of the row
+// (B = SMX_BLOCK threads, K = R + Q chunks per thread); thread t owns chunks
+// rank * K * B + k * B + t: its first R (a template parameter, 0 or a few) in registers,
+// the other Q in dynamic shared memory.  Registers take part of a slice where shared
+// memory alone would leave room for one CTA per SM (two CTAs overlap one's loads with the
+// other's reductions and stores).
+//   LOAD    the R register chunks by the register tier's LOAD, then every other chunk a
+//           thread owns to dynamic shared memory, raw, all in flight:
 //           whole aligned chunks by cp.async (16 bytes, no registers held), the few others
 //           (a row's first and last chunk, strided rows) through the register tier's LOAD;
 //           committed in SMX_CL_PARTS groups, so that PAIR starts on the first part of the
@@ -19,7 +24,7 @@
 // Backward: dy and y held in shared memory alike; the pair is the dot product sum(dy * y).
 //
 // The dynamic shared memory size tells the kernel Q: Q * B * (bytes of a chunk of every
-// operand held).  Q is a multiple of SMX_CL_U (chunks a thread handles per step).
+// operand held).  Q is a multiple of SMX_CL_U (chunks a thread handles per step), maybe 0.
 //
 // The bodies exist for sm_90+ only (clusters and distributed shared memory); on older
 // architectures the kernels compile empty and the planner never picks them there.
@@ -136,7 +141,7 @@ __device__ __forceinline__ void smx_cluster_merge(float& m, float& s, const floa
 }
 #endif
 
-template <typename T, class M>
+template <typename T, class M, int R>
 __global__ void __launch_bounds__(SMX_BLOCK, 2)
 smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
                 const void* __restrict__ klen, const SmxFwdParams p) {
@@ -153,11 +158,19 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   const int q_count = slots / SMX_BLOCK;
   Chunk<T>* xs = (Chunk<T>*)smx_cl_dyn;
   MC* ms = (MC*)(smx_cl_dyn + (smx_u64)slots * XB);
-  const int cb = (int)rank * slots;  // first chunk of this CTA's slice
+  const int cb = (int)rank * (slots + R * SMX_BLOCK);  // first chunk of this CTA's slice
+  const int cq = cb + R * SMX_BLOCK;                    // its first chunk in shared memory
 
   FwdRow<T, M> rw[1];
   rw[0] = smx_fwd_row<T, M>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / cs));
   const typename M::S* m0 = (const typename M::S*)mask;
+
+  // The first R chunks of each thread stay in registers (the tier's LOAD), in flight while
+  // the copies below are issued.
+  enum { RR = R > 0 ? R : 1 };
+  Chunk<T> cxr[1][RR];
+  MC cmr[1][RR];
+  if (R > 0) smx_fwd_load<T, M, RR, 1>(cxr, cmr, rw, cb + tid, SMX_BLOCK, p, x, m0);
 
   // LOAD: everything in flight; whole aligned chunks without registers.  Committed in
   // parts, so that PAIR starts on the first part while the others still arrive.
@@ -169,7 +182,7 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int q = st * U + u;
-        const int c = cb + q * SMX_BLOCK + tid;
+        const int c = cq + q * SMX_BLOCK + tid;
         const int slot = q * SMX_BLOCK + tid;
         const int j0 = c * N - rw[0].ofs;
         if (smx_in(c, rw[0].c0, rw[0].c1)) {
@@ -199,6 +212,16 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   // PAIR: this thread's (max, sum), a step of U chunks at a time (merged as they come),
   // then the warp's, the CTA's, the row's.
   float m = -SMX_INF, s = 0.0f;
+  if (R > 0) {
+    float v[1][RR][N], mx[1];
+    smx_fwd_values<T, M, RR, 1>(v, mx, cxr, cmr, rw, cb + tid, SMX_BLOCK, p.scale);
+    const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
+#pragma unroll
+    for (int k = 0; k < RR; ++k)
+#pragma unroll
+      for (int e = 0; e < N; ++e) s += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+    m = mx[0];
+  }
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
     smx_cp_wait_parts_after(g);  // each thread reads back only the slots it filled
@@ -212,7 +235,7 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
         cx[0][k] = xs[(q0 + k) * SMX_BLOCK + tid];
         if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_BLOCK + tid];
       }
-      smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.scale);
+      smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, cq + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.scale);
       const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
       float t = 0.0f;
 #pragma unroll
@@ -244,6 +267,15 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   const float ml = smx_max_use(m) * SMX_LOG2E;
   const float inv[1] = {smx_inv_sum(s)};
   const bool act[1] = {true};
+  if (R > 0) {
+    float v[1][RR][N], mx[1];
+    smx_fwd_values<T, M, RR, 1>(v, mx, cxr, cmr, rw, cb + tid, SMX_BLOCK, p.scale);
+#pragma unroll
+    for (int k = 0; k < RR; ++k)
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+    smx_fwd_store<T, M, RR, 1>(v, inv, rw, act, cb + tid, SMX_BLOCK, p);
+  }
   for (int q0 = 0; q0 < q_count; q0 += U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
@@ -253,7 +285,7 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
       cx[0][k] = xs[(q0 + k) * SMX_BLOCK + tid];
       if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_BLOCK + tid];
     }
-    const int c0 = cb + q0 * SMX_BLOCK + tid;
+    const int c0 = cq + q0 * SMX_BLOCK + tid;
     smx_fwd_values<T, M, U, 1>(v, mx, cx, cm, rw, c0, SMX_BLOCK, p.scale);
 #pragma unroll
     for (int k = 0; k < U; ++k)
@@ -265,7 +297,7 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
 #endif
 }
 
-template <typename T>
+template <typename T, int R>
 __global__ void __launch_bounds__(SMX_BLOCK, 2)
 smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
 #if __CUDA_ARCH__ >= 900
@@ -279,11 +311,15 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
   const int q_count = slots / SMX_BLOCK;
   Chunk<T>* ds = (Chunk<T>*)smx_cl_dyn;
   Chunk<T>* ys = ds + slots;
-  const int cb = (int)rank * slots;
+  const int cb = (int)rank * (slots + R * SMX_BLOCK);
+  const int cq = cb + R * SMX_BLOCK;
 
   BwdRow<T> rw[1];
   rw[0] = smx_bwd_row<T>(dy, y, dx, p, (smx_i64)(blockIdx.x / cs));
   const bool vec = (p.flags & SMX_F_VEC) != 0;
+  enum { RR = R > 0 ? R : 1 };
+  Chunk<T> cdr[1][RR], cyr[1][RR];
+  if (R > 0) smx_bwd_load<T, RR, 1>(cdr, cyr, rw, cb + tid, SMX_BLOCK, p, dy, y);
 
   const int steps = q_count / U;
 #pragma unroll 1
@@ -293,7 +329,7 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int q = st * U + u;
-        const int c = cb + q * SMX_BLOCK + tid;
+        const int c = cq + q * SMX_BLOCK + tid;
         const int slot = q * SMX_BLOCK + tid;
         const int j0 = c * N - rw[0].ofs;
         if (smx_in(c, rw[0].c0, rw[0].c1)) {
@@ -312,6 +348,11 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
   }
 
   float dot = 0.0f;
+  if (R > 0) {
+    float t[1];
+    smx_bwd_dot<T, RR, 1>(t, cdr, cyr, rw, cb + tid, SMX_BLOCK, p.sk);
+    dot = t[0];
+  }
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
     smx_cp_wait_parts_after(g);
@@ -324,7 +365,7 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
         cd[0][k] = ds[(q0 + k) * SMX_BLOCK + tid];
         cy[0][k] = ys[(q0 + k) * SMX_BLOCK + tid];
       }
-      smx_bwd_dot<T, U, 1>(t, cd, cy, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.sk);
+      smx_bwd_dot<T, U, 1>(t, cd, cy, rw, cq + q0 * SMX_BLOCK + tid, SMX_BLOCK, p.sk);
       dot += t[0];
     }
   }
@@ -344,6 +385,7 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
   smx_cluster_merge<true>(m, dot, pair, cs);
 
   const float dots[1] = {dot};
+  if (R > 0) smx_bwd_store<T, RR, 1>(cdr, cyr, dots, rw, cb + tid, SMX_BLOCK, p);
   for (int q0 = 0; q0 < q_count; q0 += U) {
     Chunk<T> cd[1][U], cy[1][U];
 #pragma unroll
@@ -351,7 +393,7 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
       cd[0][k] = ds[(q0 + k) * SMX_BLOCK + tid];
       cy[0][k] = ys[(q0 + k) * SMX_BLOCK + tid];
     }
-    smx_bwd_store<T, U, 1>(cd, cy, dots, rw, cb + q0 * SMX_BLOCK + tid, SMX_BLOCK, p);
+    smx_bwd_store<T, U, 1>(cd, cy, dots, rw, cq + q0 * SMX_BLOCK + tid, SMX_BLOCK, p);
   }
   smx_cluster_wait();
 #endif

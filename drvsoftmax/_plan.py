@@ -80,12 +80,12 @@ def kernel_bwd_loop(dtype: str) -> str:
     return f"smx_bwd_loop<{_t(dtype)}, {LOOP_NCH}>"
 
 
-def kernel_fwd_cluster(dtype: str, mask_kind: str) -> str:
-    return f"smx_fwd_cluster<{_t(dtype)}, {MASK_KINDS[mask_kind]}>"
+def kernel_fwd_cluster(dtype: str, mask_kind: str, reg: int = 0) -> str:
+    return f"smx_fwd_cluster<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {reg}>"
 
 
-def kernel_bwd_cluster(dtype: str) -> str:
-    return f"smx_bwd_cluster<{_t(dtype)}>"
+def kernel_bwd_cluster(dtype: str, reg: int = 0) -> str:
+    return f"smx_bwd_cluster<{_t(dtype)}, {reg}>"
 
 
 def all_kernel_names() -> list[str]:
@@ -99,7 +99,8 @@ def all_kernel_names() -> list[str]:
         names.append(kernel_bwd_loop(dt))
     for dt in X_DTYPES:  # the cluster tier (sm_90+) last: the earlier names keep their order
         names += [kernel_fwd_cluster(dt, mk) for mk in MASK_KINDS]
-        names.append(kernel_bwd_cluster(dt))
+        names.append(kernel_fwd_cluster(dt, "none", CLUSTER_REG))
+        names += [kernel_bwd_cluster(dt), kernel_bwd_cluster(dt, CLUSTER_REG)]
     return names
 
 
@@ -135,6 +136,9 @@ CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
 # device's per-block limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).
 CLUSTER_SMEM_TARGET = 64 * 1024
 CLUSTER_SMEM_RESERVE = 1024
+# Chunks per thread the register variants (forward without a mask, backward) hold in
+# registers: taken where shared memory alone fits one CTA per SM and with them two fit.
+CLUSTER_REG = 4
 
 # Bytes of one mask element, by kind (a chunk of N x elements holds N of them).
 MASK_ELEM_BYTES = {
@@ -175,16 +179,17 @@ def caps_of_arch(cc: int) -> DeviceCaps:
     return DeviceCaps(cc, smem)
 
 
-def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None) -> tuple[int, int, int] | None:
-    """(CTAs per cluster, chunks per thread Q, dynamic shared memory per CTA) holding a row
-    of `chunks` 16-byte chunks at `slot_bytes` of shared memory per chunk; None when the
-    device has no clusters or the row does not fit."""
+def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None, reg: int = 0) -> tuple[int, int, int] | None:
+    """(CTAs per cluster, chunks per thread Q in shared memory, dynamic shared memory per
+    CTA) holding a row of `chunks` 16-byte chunks at `slot_bytes` of shared memory per
+    chunk, `reg` chunks per thread in registers; None when the device has no clusters or
+    the row does not fit."""
     if caps is None or not caps.clusters:
         return None
     limit = caps.smem_per_block - CLUSTER_SMEM_RESERVE
     fits = []
     for cs in CLUSTER_SIZES:
-        q = CLUSTER_STEP * _ceil_div(chunks, cs * BLOCK * CLUSTER_STEP)
+        q = CLUSTER_STEP * _ceil_div(max(0, chunks - cs * BLOCK * reg), cs * BLOCK * CLUSTER_STEP)
         smem = q * BLOCK * slot_bytes
         if smem <= limit:
             fits.append((cs, q, smem))
@@ -192,6 +197,12 @@ def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None) -> tupl
         if smem <= CLUSTER_SMEM_TARGET:
             return cs, q, smem
     return fits[-1] if fits else None
+
+
+def _two_per_sm(smem: int, caps: DeviceCaps) -> bool:
+    """Two CTAs of `smem` bytes of dynamic shared memory fit one SM (an SM holds the
+    per-block limit plus the 1 KB the system keeps per CTA; reserve for static memory)."""
+    return 2 * (smem + CLUSTER_SMEM_RESERVE) <= caps.smem_per_block + 1024
 
 
 @dataclass(frozen=True)
@@ -263,20 +274,35 @@ def _check_grid(grid: int) -> int:
 
 
 def _cluster_plan(
-    name: str, rows: int, sk: int, item: int, aligned_rows: bool, slot_bytes: int, vector: bool, caps: DeviceCaps
+    names: tuple[str, str | None],
+    rows: int,
+    sk: int,
+    item: int,
+    aligned_rows: bool,
+    slot_bytes: int,
+    vector: bool,
+    caps: DeviceCaps,
 ) -> LaunchPlan | None:
+    """`names`: the kernel with every chunk in shared memory, and its register variant
+    (CLUSTER_REG chunks per thread in registers) if there is one."""
     chunks = row_chunks(sk, item, aligned_rows)
     shape = cluster_shape(chunks, slot_bytes, caps)
+    name, reg = names[0], 0
+    if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
+        alt = cluster_shape(chunks, slot_bytes, caps, CLUSTER_REG)
+        if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
+            shape, name, reg = alt, names[1], CLUSTER_REG
     if shape is None:
         return None
     cs, q, smem = shape
     if rows * cs > MAX_GRID:
         return None
+    where = f"{q} in shared memory" + (f", {reg} in registers" if reg else "")
     why = (
         f"{chunks} chunks per row beyond the register tier, held on chip by a cluster of {cs} blocks "
-        f"({q} chunk(s) per thread, sm_{caps.cc})"
+        f"({reg + q} chunk(s) per thread: {where}; sm_{caps.cc})"
     )
-    return LaunchPlan(name, "cluster", rows * cs, BLOCK, _log2_ceil(BLOCK), q, 1, vector, why, cs, smem)
+    return LaunchPlan(name, "cluster", rows * cs, BLOCK, _log2_ceil(BLOCK), reg + q, 1, vector, why, cs, smem)
 
 
 def plan_forward(
@@ -295,8 +321,11 @@ def plan_forward(
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows)
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ELEM_BYTES[mask_kind]
-        name = kernel_fwd_cluster(dtype, mask_kind)
-        plan = _cluster_plan(name, rows, sk, item, aligned_rows, slot, vector, caps)
+        names = (
+            kernel_fwd_cluster(dtype, mask_kind),
+            kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
+        )
+        plan = _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
         if plan is not None:
             return plan
     name = kernel_fwd(dtype, mask_kind, nch, rpt) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
@@ -310,7 +339,8 @@ def plan_backward(
     aligned_rows = aligned_rows or not vector
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows)
     if tier == "loop" and caps is not None:
-        plan = _cluster_plan(kernel_bwd_cluster(dtype), rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+        names = (kernel_bwd_cluster(dtype), kernel_bwd_cluster(dtype, CLUSTER_REG))
+        plan = _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
         if plan is not None:
             return plan
     name = kernel_bwd(dtype, nch, rpt) if tier == "register" else kernel_bwd_loop(dtype)

@@ -120,35 +120,41 @@ def _check_backward(dy, y, *, scale=0.5, what="", cluster=None):
     assert torch.equal(dy, dy_before) and torch.equal(y, y_before), f"{what}: dy and y must not be written"
 
 
-def _cluster_changes(dtype: str, mask_kind: str, backward: bool) -> list[tuple[int, int, int]]:
-    """(chunks, CTAs per cluster before, after) wherever the cluster size the planner
-    picks on this device changes with the row length (aligned rows), up to the loop (0)."""
+def _planned(dtype: str, sk: int, backward: bool) -> _plan.LaunchPlan:
+    if backward:
+        return _plan.plan_backward(2, sk, dtype, True, True, _caps())
+    return _plan.plan_forward(2, sk, dtype, "none", True, True, _caps())
+
+
+def _boundary_sks(dtype: str, backward: bool) -> list[tuple[int, _plan.LaunchPlan]]:
+    """Row lengths around every change of launch shape of the cluster tier on this device
+    (cluster size, chunks per thread, register variant; the register tier before it and the
+    loop after it), each with the plan it gets: just below, at and one past each change."""
     n = 16 // ITEM[dtype]
-    out = []
-    prev = None
-    c = 2048 if ITEM[dtype] == 2 else 4096  # the register tier's last row
-    while True:
-        c += 1 if prev is None else 1024
-        sk = c * n
-        p = _plan.plan_backward(2, sk, dtype, True, True, _caps()) if backward else None
-        if not backward:
-            p = _plan.plan_forward(2, sk, dtype, mask_kind, True, True, _caps())
-        cur = p.cluster
-        if prev is not None and cur != prev:
-            # the change lies in (c - 1024, c]: find it exactly
-            lo, hi = c - 1024, c
+
+    def key(c):
+        p = _planned(dtype, c * n, backward)
+        return p.tier, p.kernel, p.cluster, p.nch
+
+    last = 2048 if ITEM[dtype] == 2 else 4096  # the register tier's last row, in chunks
+    changes, c, prev = [last], last + 1, key(last + 1)
+    while prev[0] == "cluster":
+        c += 1024
+        cur = key(c)
+        if cur != prev:
+            lo, hi = c - 1024, c  # the change lies in (lo, hi]
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                pm = (
-                    _plan.plan_backward(2, mid * n, dtype, True, True, _caps())
-                    if backward
-                    else _plan.plan_forward(2, mid * n, dtype, mask_kind, True, True, _caps())
-                )
-                lo, hi = (mid, hi) if pm.cluster == prev else (lo, mid)
-            out.append((lo, prev, cur))
-        if cur == 0:
-            return out
+                lo, hi = (mid, hi) if key(mid) == prev else (lo, mid)
+            changes.append(lo)
         prev = cur
+    out = []
+    for chunks in changes:
+        for sk in (chunks * n - 1, chunks * n, chunks * n + 1):
+            p = _planned(dtype, sk, backward)
+            if p.tier == "cluster":
+                out.append((sk, p))
+    return out
 
 
 # ----------------------------------------------------------------------------------
@@ -157,16 +163,14 @@ def _cluster_changes(dtype: str, mask_kind: str, backward: bool) -> list[tuple[i
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_forward_around_every_cluster_size_boundary(dtype):
-    """Rows just below, at and beyond each change of cluster size, and odd lengths."""
-    n = 16 // ITEM[dtype]
-    changes = _cluster_changes(dtype, "none", False)
-    assert [a for _, a, _ in changes][:1] == [2], changes
-    for chunks, before, after in changes:
-        for sk, cs in ((chunks * n - 1, before), (chunks * n, before), (chunks * n + 1, after)):
-            if cs == 0:
-                continue
-            x = _rand((2, sk), DTYPES[dtype])
-            _check_forward(x, scale=0.37, what=f"{dtype} Sk={sk}", cluster=cs)
+    """Rows just below, at and beyond each change of cluster size, chunks per thread or
+    register variant, odd lengths among them."""
+    cases = _boundary_sks(dtype, False)
+    assert {p.cluster for _, p in cases} == {2, 4, 8, 16}, [(sk, p.kernel, p.cluster) for sk, p in cases]
+    assert any(p.kernel.endswith(", 4>") for _, p in cases)  # the register variant
+    for sk, p in cases:
+        x = _rand((2, sk), DTYPES[dtype])
+        _check_forward(x, scale=0.37, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})", cluster=p.cluster)
     for sk in (16385, 16393, 20001, 40000, 65537, 99999):
         x = _rand((3, sk), DTYPES[dtype])
         _check_forward(x, scale=-0.6, what=f"{dtype} Sk={sk}")
@@ -320,15 +324,13 @@ def test_loop_tier_when_clusters_cannot_run(monkeypatch):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_backward_around_every_cluster_size_boundary(dtype):
-    n = 16 // ITEM[dtype]
-    changes = _cluster_changes(dtype, "none", True)
-    for chunks, before, after in changes:
-        for sk, cs in ((chunks * n, before), (chunks * n + 1, after)):
-            if cs == 0:
-                continue
-            y = torch.softmax(_rand((2, sk), torch.float32), -1).to(DTYPES[dtype])
-            dy = _rand((2, sk), DTYPES[dtype], 1.0)
-            _check_backward(dy, y, what=f"{dtype} Sk={sk}", cluster=cs)
+    cases = _boundary_sks(dtype, True)
+    assert {p.cluster for _, p in cases} >= {4, 8, 16}
+    assert any(p.kernel.endswith(", 4>") for _, p in cases)  # the register variant
+    for sk, p in cases:
+        y = torch.softmax(_rand((2, sk), torch.float32), -1).to(DTYPES[dtype])
+        dy = _rand((2, sk), DTYPES[dtype], 1.0)
+        _check_backward(dy, y, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})", cluster=p.cluster)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -58,15 +58,47 @@ def test_no_cluster_tier_before_sm_90(caps, backward):
                     assert p.tier != "cluster" and p.cluster == 0 and p.smem == 0
 
 
+def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool):
+    """(CTAs per cluster, chunks per thread in shared memory, in registers) the planner
+    should pick, or None: the smallest cluster whose blocks stay under the target (else the
+    largest that fits), all chunks in shared memory, unless that leaves one CTA per SM (or
+    does not fit) and the register variant gives two (or fits at all)."""
+    limit = caps.smem_per_block - _plan.CLUSTER_SMEM_RESERVE
+
+    def best(reg):
+        shapes = {}
+        for cs in (2, 4, 8, 16):
+            q = 4 * -(-max(0, chunks - cs * 256 * reg) // (cs * 256 * 4))
+            if q * 256 * slot <= limit:
+                shapes[cs] = q
+        if not shapes:
+            return None
+        under = [c for c in sorted(shapes) if shapes[c] * 256 * slot <= _plan.CLUSTER_SMEM_TARGET]
+        cs = under[0] if under else max(shapes)
+        return cs, shapes[cs], reg
+
+    def two_per_sm(q):
+        return 2 * (q * 256 * slot + 1024) <= caps.smem_per_block + 1024
+
+    r0 = best(0)
+    if reg_variant and (r0 is None or not two_per_sm(r0[1])):
+        r4 = best(_plan.CLUSTER_REG)
+        if r4 is not None and (r0 is None or two_per_sm(r4[1])):
+            return r4
+    return r0
+
+
 @pytest.mark.parametrize("caps", [H200, B200, RTX, _plan.DeviceCaps(90, 48 * 1024)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backward", [False, True])
 def test_cluster_shapes_hold_the_row(caps, dtype, backward):
     """A cluster plan covers every chunk of the row with the fewest chunks per thread of
-    its cluster size, fits the device's shared memory, prefers the smallest cluster whose
-    blocks stay under the target, and is taken whenever any cluster size holds the row."""
+    its cluster size, fits the device's shared memory, and is taken whenever any cluster
+    size holds the row; the register variant only where it turns one CTA per SM into two
+    or holds a row that shared memory alone cannot."""
     limit = caps.smem_per_block - _plan.CLUSTER_SMEM_RESERVE
     kinds = ("none",) if backward else tuple(_plan.MASK_KINDS)
+    regs_seen = set()
     for mk in kinds:
         slot = _slot(mk, dtype, backward)
         for sk in LONG:
@@ -74,26 +106,36 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 rows = 37
                 p = _plan_of(backward, rows, sk, dtype, mk, aligned, caps)
                 chunks = _plan.row_chunks(sk, ITEM[dtype], aligned)
-                shapes = {}
-                for cs in (2, 4, 8, 16):
-                    q = 4 * -(-chunks // (cs * 256 * 4))
-                    if q * 256 * slot <= limit:
-                        shapes[cs] = q
-                if not shapes:
+                want = _expected_shape(chunks, slot, caps, backward or mk == "none")
+                if want is None:
                     assert p.tier == "loop" and p.cluster == 0, (mk, sk, p)
                     continue
+                cs, q, reg = want
+                regs_seen.add(reg)
                 assert p.tier == "cluster", (mk, sk, p)
-                cs, q = p.cluster, p.nch
-                assert cs in shapes and q == shapes[cs]
-                assert q % 4 == 0 and cs * q * 256 >= chunks > cs * (q - 4) * 256
-                assert p.smem == q * 256 * slot <= limit
-                under = [c for c in sorted(shapes) if shapes[c] * 256 * slot <= _plan.CLUSTER_SMEM_TARGET]
-                assert cs == (under[0] if under else max(shapes)), (mk, sk, p)
+                assert (p.cluster, p.nch, p.smem) == (cs, reg + q, q * 256 * slot), (mk, sk, p, want)
+                assert q % 4 == 0 and cs * (reg + q) * 256 >= chunks
+                assert q == 0 or cs * (reg + q - 4) * 256 < chunks
+                assert p.smem <= limit
                 assert p.grid == rows * cs and p.block == 256 == 1 << p.tpr_log2
                 assert p.kernel == (
-                    _plan.kernel_bwd_cluster(dtype) if backward else _plan.kernel_fwd_cluster(dtype, mk)
+                    _plan.kernel_bwd_cluster(dtype, reg) if backward else _plan.kernel_fwd_cluster(dtype, mk, reg)
                 )
                 assert p.kernel in _plan.all_kernel_names()
+    if caps is H200:
+        assert regs_seen == {0, _plan.CLUSTER_REG}, regs_seen
+
+
+def test_register_variant_where_it_gives_two_ctas_per_sm():
+    p = _plan.plan_backward(64, 262144, "float32", True, True, H200)  # 2 MB of dy and y per row
+    assert p.kernel == "smx_bwd_cluster<float, 4>" and p.cluster == 16 and p.smem == 12 * 256 * 32
+    p = _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200)
+    assert p.kernel == "smx_fwd_cluster<smx_f16, MaskNone, 4>" and p.nch == 32 and p.smem == 28 * 256 * 16
+    # Rows whose blocks already share an SM keep every chunk in shared memory.
+    assert _plan.plan_forward(64, 65536, "float16", "none", True, True, H200).kernel.endswith(", 0>")
+    assert _plan.plan_backward(64, 65536, "bfloat16", True, True, H200).kernel.endswith(", 0>")
+    # Masked forwards have no register variant.
+    assert _plan.plan_forward(64, 2**20, "float16", "hide1", True, True, H200).kernel.endswith("<smx_u8>, 0>")
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -116,9 +158,10 @@ def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     n = 16 // ITEM[dtype]
     slot = _slot(mk or "none", dtype, backward)
     qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
-    longest = 16 * 256 * qmax * n
+    reg = _plan.CLUSTER_REG if backward or mk == "none" else 0
+    longest = 16 * 256 * (qmax + reg) * n
     p = _plan_of(backward, 2, longest, dtype, mk or "none", True, H200)
-    assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax
+    assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax + reg and p.kernel.endswith(f", {reg}>")
     assert _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200).tier == "loop"
     assert _plan_of(backward, 2, longest, dtype, mk or "none", False, H200).tier == "loop"  # one chunk more
 
@@ -129,11 +172,13 @@ def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
             for mk in ("none", "hide1", f"add_{dtype}"):
                 assert _plan.plan_forward(64, sk, dtype, mk, True, True, H200).tier == "cluster", (sk, dtype, mk)
             assert _plan.plan_backward(64, sk, dtype, True, True, H200).tier == "cluster", (sk, dtype)
-    # 1M keys: 16-bit forwards fit (2 MB of x, 1 MB of a bool mask over 16 blocks); fp32 does not.
+    # 1M keys: 16-bit rows fit (2 MB of x, 1 MB of a bool mask, 4 MB of dy and y over 16
+    # blocks, with registers); fp32 rows do not.
     assert _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200).tier == "cluster"
     assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "cluster"
+    assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "cluster"
     assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "loop"
-    assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "loop"
+    assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "loop"
 
 
 def test_cluster_grid_beyond_the_launch_limit_takes_the_loop():
@@ -145,7 +190,7 @@ def test_cluster_grid_beyond_the_launch_limit_takes_the_loop():
 def test_describe_names_the_cluster():
     p = _plan.plan_forward(64, 65536, "float16", "none", True, True, H200)
     text = p.describe()
-    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone>")
+    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone, 0>")
     assert f"clusters of {p.cluster}" in text and f"{p.smem} bytes of shared memory" in text
 
 
@@ -172,7 +217,7 @@ def test_cluster_kernels_are_built_for_sm_90_only():
         _compiler.nvrtc_version()
     except Exception as e:  # no NVRTC library on this machine
         pytest.skip(f"NVRTC unavailable: {type(e).__name__}: {e}")
-    names = [_plan.kernel_fwd_cluster("float16", "hide1"), _plan.kernel_bwd_cluster("float32")]
+    names = [_plan.kernel_fwd_cluster("float16", "hide1"), _plan.kernel_bwd_cluster("float32", _plan.CLUSTER_REG)]
     text90 = _compiler.compile_kernels("compute_90", names).image.decode(errors="replace")
     text80 = _compiler.compile_kernels("compute_80", names).image.decode(errors="replace")
     for needle in ("barrier.cluster.arrive.release", "barrier.cluster.wait.acquire", "mapa.shared::cluster"):
@@ -232,9 +277,9 @@ def test_explain_plans_for_an_architecture():
     import drvsoftmax
 
     text = drvsoftmax.explain((2, 8, 65536), "float16", arch="sm_90")
-    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone>") and "clusters of" in text
+    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone, 0>") and "clusters of" in text
     assert drvsoftmax.explain((2, 8, 65536), "float16", arch="sm_90", backward=True).startswith(
-        "cluster tier: smx_bwd_cluster<smx_f16>"
+        "cluster tier: smx_bwd_cluster<smx_f16, 0>"
     )
     assert drvsoftmax.explain((2, 65536), "float32", mask_dtype="bool", arch="sm_120").startswith("cluster tier")
     for arch in ("sm_80", "sm_89", None):

@@ -136,7 +136,7 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
 def test_every_kernel_name_is_reachable():
     reached = set()
     for dtype in DTYPES:
-        for sk in SWEEP:
+        for sk in [*SWEEP, 262144, 524288, 2**20]:  # long rows: the cluster tier's register variants
             for caps in (None, H200):
                 for mk in MASK_KINDS:
                     reached.add(_plan.plan_forward(64, sk, dtype, mk, True, True, caps).kernel)
