@@ -154,8 +154,10 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   const int tid = threadIdx.x;
   const smx_u32 cs = smx_cluster_size();
   const smx_u32 rank = smx_cluster_rank();
-  const int slots = (int)(smx_dyn_smem_size() / (XB + MB));  // Q * SMX_BLOCK
-  const int q_count = slots / SMX_BLOCK;
+  // Q from the dynamic shared memory size (whole steps only: a size the driver rounds up
+  // changes nothing), then the slots of the slice held there.
+  const int q_count = (int)(smx_dyn_smem_size() / ((XB + MB) * SMX_BLOCK * U)) * U;
+  const int slots = q_count * SMX_BLOCK;
   Chunk<T>* xs = (Chunk<T>*)smx_cl_dyn;
   MC* ms = (MC*)(smx_cl_dyn + (smx_u64)slots * XB);
   const int cb = (int)rank * (slots + R * SMX_BLOCK);  // first chunk of this CTA's slice
@@ -307,8 +309,8 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
   const int tid = threadIdx.x;
   const smx_u32 cs = smx_cluster_size();
   const smx_u32 rank = smx_cluster_rank();
-  const int slots = (int)(smx_dyn_smem_size() / 32);  // Q * SMX_BLOCK chunks of dy and of y
-  const int q_count = slots / SMX_BLOCK;
+  const int q_count = (int)(smx_dyn_smem_size() / (32 * SMX_BLOCK * U)) * U;  // as forward
+  const int slots = q_count * SMX_BLOCK;  // chunks of dy and of y
   Chunk<T>* ds = (Chunk<T>*)smx_cl_dyn;
   Chunk<T>* ys = ds + slots;
   const int cb = (int)rank * (slots + R * SMX_BLOCK);
