@@ -192,12 +192,20 @@ def _dtype_arg(v: object) -> str:
 
 
 def explain(
-    x_shape: Any, dtype: Any = "float16", *, mask_dtype: Any = None, causal: bool = False, backward: bool = False
+    x_shape: Any,
+    dtype: Any = "float16",
+    *,
+    mask_dtype: Any = None,
+    causal: bool = False,
+    backward: bool = False,
+    arch: str | None = None,
 ) -> str:
     """What would run for an input of this shape and dtype: tier, kernel, launch shape.
 
     Needs no GPU.  Assumes a contiguous layout (16-byte accesses); strided layouts use
-    the same tier with element-wise accesses.
+    the same tier with element-wise accesses.  `arch` ('sm_90', ...) plans for that GPU
+    architecture: rows beyond the register tier take the cluster tier on sm_90+ where its
+    shared memory holds them; None plans the tiers every GPU has.
     """
     from . import _core, _plan
 
@@ -219,11 +227,16 @@ def explain(
         rows *= n
     if rows == 0 or shape[-1] == 0:
         return f"no kernel: x of shape {shape} is empty (the result is returned without a launch)"
+    caps = None
+    if arch is not None:
+        from ._compiler import parse_arch
+
+        caps = _plan.caps_of_arch(parse_arch(arch)[1])
     itemsize = _plan.X_DTYPES[dt][1]
     contig = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
     ops = [_core.Operand(0, dt, shape, contig)]
     vec = _core._vector_ok(itemsize, ops, shape[:-1])
     ra = _core.rows_aligned(ops, shape[:-1], _core.CHUNK_ELEMS[itemsize])
     if backward:
-        return _plan.plan_backward(rows, shape[-1], dt, vec, ra).describe()
-    return _plan.plan_forward(rows, shape[-1], dt, kind, vec, ra).describe()
+        return _plan.plan_backward(rows, shape[-1], dt, vec, ra, caps).describe()
+    return _plan.plan_forward(rows, shape[-1], dt, kind, vec, ra, caps).describe()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _dtypes, _params, _plan
@@ -159,7 +160,7 @@ def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
 class Prepared:
     """Everything of one launch but the pointers and the stream."""
 
-    __slots__ = ("dev", "kernel", "func", "grid", "block", "params", "params_addr", "plan", "nargs")
+    __slots__ = ("dev", "kernel", "func", "grid", "block", "params", "params_addr", "plan", "nargs", "cluster")
 
     def __init__(self, dev: Device, plan: _plan.LaunchPlan, packed: bytes, nargs: int) -> None:
         self.dev = dev
@@ -171,6 +172,24 @@ class Prepared:
         self.params = ctypes.create_string_buffer(packed, len(packed))
         self.params_addr = ctypes.addressof(self.params)
         self.nargs = nargs
+        # Cluster-tier launches: their CUlaunchConfig (cuLaunchKernelEx); None for all others.
+        self.cluster: Any = None
+        if plan.cluster:
+            from ._driver import cluster_config
+
+            self.cluster = cluster_config(plan.grid, plan.cluster, plan.block, plan.smem)
+
+
+_Made = tuple[dict[str, Any], _plan.LaunchPlan]
+
+
+def _cluster_or_loop(dev: Device, made: _Made, replan: Callable[[], _Made]) -> _Made:
+    """`made` if its plan is not of the cluster tier or this device can run its clusters
+    (checked once per kernel and size), else what `replan` makes without the cluster tier."""
+    plan = made[1]
+    if plan.cluster and not dev.cluster_ready(plan.kernel, plan.cluster, plan.smem, plan.block):
+        return replan()
+    return made
 
 
 _cache: dict[tuple[object, ...], Prepared] = {}
@@ -215,7 +234,11 @@ def prepare_forward(
 ) -> Prepared:
     """`aligned`: x and y are 16-byte aligned; `mask_aligned`: so is the mask (it lets the
     whole-chunk kernels run; without it the general kernels check each mask row)."""
-    values, plan = forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned)
+    values, plan = _cluster_or_loop(
+        dev,
+        forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned, getattr(dev, "caps", None)),
+        lambda: forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned),
+    )
     return Prepared(dev, plan, _params.FWD.pack(values), 5)
 
 
@@ -228,8 +251,10 @@ def forward_params(
     scale: float,
     aligned: bool,
     mask_aligned: bool = False,
+    caps: _plan.DeviceCaps | None = None,
 ) -> tuple[dict[str, Any], _plan.LaunchPlan]:
-    """The SmxFwdParams fields (by C name) and the launch plan of a forward."""
+    """The SmxFwdParams fields (by C name) and the launch plan of a forward on a device
+    of `caps` (None: the tiers every device has)."""
     shape = tuple(x.shape)
     lead = shape[:-1]
     sk = shape[-1]
@@ -277,7 +302,7 @@ def forward_params(
     if vec:
         flags |= F_VEC
     ra = rows_aligned([x, y], lead, CHUNK_ELEMS[itemsize])
-    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, ra, mask_whole)
+    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, ra, caps, mask_whole)
     v["flags"] = flags
     v["tpr_log2"] = plan.tpr_log2
     return v, plan
@@ -287,12 +312,16 @@ CHUNK_ELEMS = {2: 8, 4: 4}
 
 
 def prepare_backward(dev: Device, dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> Prepared:
-    values, plan = backward_params(dy, y, dx, scale, aligned)
+    values, plan = _cluster_or_loop(
+        dev,
+        backward_params(dy, y, dx, scale, aligned, getattr(dev, "caps", None)),
+        lambda: backward_params(dy, y, dx, scale, aligned),
+    )
     return Prepared(dev, plan, _params.BWD.pack(values), 4)
 
 
 def backward_params(
-    dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool
+    dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool, caps: _plan.DeviceCaps | None = None
 ) -> tuple[dict[str, Any], _plan.LaunchPlan]:
     """The SmxBwdParams fields (by C name) and the launch plan of a backward."""
     shape = tuple(y.shape)
@@ -321,7 +350,7 @@ def backward_params(
     vec = aligned and _vector_ok(itemsize, ops, lead)
     if vec:
         flags |= F_VEC
-    plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec, rows_aligned(ops, lead, CHUNK_ELEMS[itemsize]))
+    plan = _plan.plan_backward(rows, shape[-1], y.dtype, vec, rows_aligned(ops, lead, CHUNK_ELEMS[itemsize]), caps)
     v["flags"] = flags
     v["tpr_log2"] = plan.tpr_log2
     return v, plan
@@ -387,6 +416,9 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
     else:
         buf, argv_addr = _targs.a4
         _pack4(buf, 24, prep.params_addr, p0, p1, p2)
+    if prep.cluster is not None:
+        _launch_cluster(prep, argv_addr, stream)
+        return
     if stream > 2 or ctx_ok:
         s = _streams.get(stream)
         if s is None:
@@ -442,6 +474,27 @@ def _launch_in_context(prep: Prepared, argv_addr: int, stream: int) -> None:
     finally:
         if pushed:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def _launch_cluster(prep: Prepared, argv_addr: int, stream: int) -> None:
+    """One cuLaunchKernelEx of a cluster-tier launch (clusters and dynamic shared memory
+    cannot be given to cuLaunchKernel), with the kernel's device's primary context current."""
+    drv = _drv or _load_driver()
+    cfg = prep.cluster
+    ctx = prep.dev.ctx
+    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
+    if pushed:
+        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        with _cluster_lock:  # the config's stream is set per launch
+            cfg.hStream = _stream_obj(stream)
+            check(drv.cuLaunchKernelEx(cfg, prep.func, argv_addr, 0), "cuLaunchKernelEx")
+    finally:
+        if pushed:
+            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+_cluster_lock = threading.Lock()
 
 
 def forward(

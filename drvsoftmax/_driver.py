@@ -13,8 +13,9 @@ import os
 import threading
 from typing import Any
 
-from . import _loader
-from ._errors import DrvSoftmaxError, check
+from . import _loader, _plan
+from ._errors import CudaDriverError, DrvSoftmaxError, check
+from ._log import log
 
 _lock = threading.RLock()
 _init_pid: int | None = None
@@ -67,6 +68,10 @@ class Device:
         self.sm_count = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cudev))
         self.cc = int(major) * 10 + int(minor)
         self.arch = f"sm_{self.cc}"
+        smem = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self.cudev))
+        self.caps = _plan.DeviceCaps(self.cc, int(smem))
+        self._cluster_ready: dict[tuple[str, int, int], bool] = {}
+        self._smem_set: dict[str, int] = {}
         name = check(d.cuDeviceGetName(256, self.cudev), "cuDeviceGetName")
         self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
         self.ctx = check(d.cuDevicePrimaryCtxRetain(self.cudev), "cuDevicePrimaryCtxRetain")
@@ -105,6 +110,60 @@ class Device:
             self.kernel(name)
             f = self._functions[name]
         return f
+
+    def cluster_ready(self, name: str, cluster: int, smem: int, block: int) -> bool:
+        """Prepare the kernel `name` for launches in clusters of `cluster` blocks with `smem`
+        bytes of dynamic shared memory (once per kernel and size), and say whether such
+        clusters can run on this device at all (cuOccupancyMaxActiveClusters > 0)."""
+        key = (name, cluster, smem)
+        ok = self._cluster_ready.get(key)
+        if ok is not None:
+            return ok
+        with _lock:
+            d = _drv()
+            k = self.kernel(name)
+            F = d.CUfunction_attribute
+            check(d.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+            try:
+                f = check(d.cuKernelGetFunction(k), "cuKernelGetFunction")
+                if self._smem_set.get(name, 0) < smem:
+                    check(
+                        d.cuFuncSetAttribute(f, F.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                        "cuFuncSetAttribute",
+                    )
+                    self._smem_set[name] = smem
+                if cluster > _plan.CLUSTER_PORTABLE:
+                    check(
+                        d.cuFuncSetAttribute(f, F.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                        "cuFuncSetAttribute",
+                    )
+                cfg = cluster_config(cluster, cluster, block, smem)
+                n = int(check(d.cuOccupancyMaxActiveClusters(f, cfg), "cuOccupancyMaxActiveClusters"))
+            except CudaDriverError as e:  # a size this device refuses: the looped tier instead
+                log.info("clusters of %d x %d bytes for %s unavailable on %s: %s", cluster, smem, name, self.name, e)
+                n = 0
+            finally:
+                check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+            ok = self._cluster_ready[key] = n > 0
+            return ok
+
+
+def cluster_config(grid: int, cluster: int, block: int, smem: int) -> Any:
+    """A CUlaunchConfig of `grid` blocks of `block` threads in clusters of `cluster`, with
+    `smem` bytes of dynamic shared memory; the stream is set per launch."""
+    d = _drv()
+    cfg = d.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+    cfg.sharedMemBytes = smem
+    attr = d.CUlaunchAttribute()
+    attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x = cluster
+    attr.value.clusterDim.y = 1
+    attr.value.clusterDim.z = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 def device(ordinal: int) -> Device:

@@ -35,9 +35,9 @@ MASK_KINDS = {
     "add_float64": "MaskAdd<double>",
 }
 
-# Bytes of one mask element, by kind.
+# Bytes of one mask element, by kind (a chunk of N x elements holds N of them).
 MASK_ITEMSIZE = {
-    "none": 1,
+    "none": 0,
     "hide1": 1,
     "hide2": 2,
     "hide4": 4,
@@ -128,6 +128,14 @@ def _bwd_names(dt: str, item: int) -> list[str]:
     return names + [kernel_bwd(dt, nch, rpt, True) for _, nch, rpt, _ in _configs(BWD_TABLE, item)]
 
 
+def kernel_fwd_cluster(dtype: str, mask_kind: str, reg: int = 0) -> str:
+    return f"smx_fwd_cluster<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {reg}>"
+
+
+def kernel_bwd_cluster(dtype: str, reg: int = 0) -> str:
+    return f"smx_bwd_cluster<{_t(dtype)}, {reg}>"
+
+
 def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
@@ -137,12 +145,16 @@ def all_kernel_names() -> list[str]:
             names.append(kernel_fwd_loop(dt, mk))
         names += _bwd_names(dt, item)
         names.append(kernel_bwd_loop(dt))
+    for dt in X_DTYPES:  # the cluster tier (sm_90+) last: the earlier names keep their order
+        names += [kernel_fwd_cluster(dt, mk) for mk in MASK_KINDS]
+        names.append(kernel_fwd_cluster(dt, "none", CLUSTER_REG))
+        names += [kernel_bwd_cluster(dt), kernel_bwd_cluster(dt, CLUSTER_REG)]
     return names
 
 
 # Mask kinds the wheel precompiles: none, bool / 8-bit integer masks, an additive mask of
 # x's own dtype.  Wider integer masks and other float masks compile on first use, as do
-# rows beyond the register tier (> 16384 keys).
+# rows beyond the register tier (> 16384 keys: the cluster and looped tiers).
 def packaged_mask_kinds(dtype: str) -> tuple[str, ...]:
     return ("none", "hide1", f"add_{dtype}")
 
@@ -159,18 +171,89 @@ def packaged_kernel_names() -> list[str]:
     return names
 
 
+# ----------------------------------------------------------------------------------
+# The cluster tier (sm_90+): rows beyond the register tier held on chip by a thread-block
+# cluster of CS CTAs (softmax_cluster.cu).  Each CTA keeps its slice of the row, Q chunks
+# per thread, raw in dynamic shared memory: x (and the mask) forward, dy and y backward.
+CLUSTER_MIN_CC = 90  # compute capability of the first chip with clusters
+CLUSTER_SIZES = (2, 4, 8, 16)  # CTAs per cluster; more than 8 is a non-portable size
+CLUSTER_PORTABLE = 8
+CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
+# Shared memory per CTA the planner aims below, so that several CTAs share an SM (one
+# CTA's loads overlap another's reductions and stores); larger slices are taken up to the
+# device's per-block limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).
+CLUSTER_SMEM_TARGET = 64 * 1024
+CLUSTER_SMEM_RESERVE = 1024
+# Chunks per thread the register variants (forward without a mask, backward) hold in
+# registers: taken where shared memory alone fits one CTA per SM and with them two fit.
+CLUSTER_REG = 4
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What the planner needs to know of a device: its compute capability (90 for sm_90)
+    and the dynamic shared memory one block may opt in to (bytes)."""
+
+    cc: int
+    smem_per_block: int
+
+    @property
+    def clusters(self) -> bool:
+        return self.cc >= CLUSTER_MIN_CC and self.smem_per_block > CLUSTER_SMEM_RESERVE
+
+
+# Dynamic shared memory one block may opt in to, by compute capability (the CUDA
+# programming guide's table), for planning without a device (`explain(arch=...)`); an
+# unknown architecture of sm_90 or newer is assumed to have the smallest of them.
+SMEM_PER_BLOCK_OPTIN = {90: 232448, 100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
+
+
+def caps_of_arch(cc: int) -> DeviceCaps:
+    """The DeviceCaps of a compute capability (90 for sm_90), from SMEM_PER_BLOCK_OPTIN."""
+    smem = SMEM_PER_BLOCK_OPTIN.get(cc, min(SMEM_PER_BLOCK_OPTIN.values()) if cc >= CLUSTER_MIN_CC else 0)
+    return DeviceCaps(cc, smem)
+
+
+def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None, reg: int = 0) -> tuple[int, int, int] | None:
+    """(CTAs per cluster, chunks per thread Q in shared memory, dynamic shared memory per
+    CTA) holding a row of `chunks` 16-byte chunks at `slot_bytes` of shared memory per
+    chunk, `reg` chunks per thread in registers; None when the device has no clusters or
+    the row does not fit."""
+    if caps is None or not caps.clusters:
+        return None
+    limit = caps.smem_per_block - CLUSTER_SMEM_RESERVE
+    fits = []
+    for cs in CLUSTER_SIZES:
+        q = CLUSTER_STEP * _ceil_div(max(0, chunks - cs * BLOCK * reg), cs * BLOCK * CLUSTER_STEP)
+        smem = q * BLOCK * slot_bytes
+        if smem <= limit:
+            fits.append((cs, q, smem))
+    for cs, q, smem in fits:
+        if smem <= CLUSTER_SMEM_TARGET:
+            return cs, q, smem
+    return fits[-1] if fits else None
+
+
+def _two_per_sm(smem: int, caps: DeviceCaps) -> bool:
+    """Two CTAs of `smem` bytes of dynamic shared memory fit one SM (an SM holds the
+    per-block limit plus the 1 KB the system keeps per CTA; reserve for static memory)."""
+    return 2 * (smem + CLUSTER_SMEM_RESERVE) <= caps.smem_per_block + 1024
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
-    tier: str  # "register" or "loop"
+    tier: str  # "register", "cluster" or "loop"
     grid: int
     block: int
     tpr_log2: int  # log2(threads per row)
-    nch: int  # chunks per thread and row (per segment in the looped tier)
+    nch: int  # chunks per thread and row (per segment in the looped tier, in all in the cluster tier)
     rpt: int  # rows per thread
     vector: bool  # 16-byte accesses
     reason: str  # which table row chose it
     whole: bool = False  # every row of every operand is whole 16-byte chunks (AL kernel)
+    cluster: int = 0  # CTAs per cluster (cluster tier), else 0
+    smem: int = 0  # dynamic shared memory per block (bytes)
 
     @property
     def tpr(self) -> int:
@@ -178,8 +261,11 @@ class LaunchPlan:
         return min(1 << self.tpr_log2, self.block)
 
     def describe(self) -> str:
+        shape = f"grid {self.grid} x block {self.block}"
+        if self.cluster:
+            shape += f" in clusters of {self.cluster}, {self.smem} bytes of shared memory per block"
         return (
-            f"{self.tier} tier: {self.kernel}, grid {self.grid} x block {self.block}, "
+            f"{self.tier} tier: {self.kernel}, {shape}, "
             f"{self.tpr} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
             f"{'16-byte vector' if self.vector else 'element-wise'} access"
             f"{', whole-chunk rows' if self.whole else ''}; {self.reason}"
@@ -241,6 +327,40 @@ def whole_chunks(sk: int, itemsize: int, vector: bool, aligned_rows: bool) -> bo
     return vector and aligned_rows and sk % (CHUNK_BYTES // itemsize) == 0
 
 
+def _cluster_plan(
+    names: tuple[str, str | None],
+    rows: int,
+    sk: int,
+    item: int,
+    aligned_rows: bool,
+    slot_bytes: int,
+    vector: bool,
+    caps: DeviceCaps,
+) -> LaunchPlan | None:
+    """`names`: the kernel with every chunk in shared memory, and its register variant
+    (CLUSTER_REG chunks per thread in registers) if there is one."""
+    chunks = row_chunks(sk, item, aligned_rows)
+    shape = cluster_shape(chunks, slot_bytes, caps)
+    name, reg = names[0], 0
+    if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
+        alt = cluster_shape(chunks, slot_bytes, caps, CLUSTER_REG)
+        if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
+            shape, name, reg = alt, names[1], CLUSTER_REG
+    if shape is None:
+        return None
+    cs, q, smem = shape
+    if rows * cs > MAX_GRID:
+        return None
+    where = f"{q} in shared memory" + (f", {reg} in registers" if reg else "")
+    why = (
+        f"{chunks} chunks per row beyond the register tier, held on chip by a cluster of {cs} blocks "
+        f"({reg + q} chunk(s) per thread: {where}; sm_{caps.cc})"
+    )
+    return LaunchPlan(
+        name, "cluster", rows * cs, BLOCK, _log2_ceil(BLOCK), reg + q, 1, vector, why, cluster=cs, smem=smem
+    )
+
+
 def plan_forward(
     rows: int,
     sk: int,
@@ -248,22 +368,43 @@ def plan_forward(
     mask_kind: str,
     vector: bool,
     aligned_rows: bool = True,
+    caps: DeviceCaps | None = None,
     mask_whole: bool = True,
 ) -> LaunchPlan:
-    """`mask_whole`: the mask (if any) is read a chunk at a time, each of its rows on the
-    grid of its chunk width (the host checks its pointer, strides and unit key stride)."""
+    """`caps`: the device's (compute capability, shared memory); None plans for any device
+    (no cluster tier).  `mask_whole`: the mask (if any) is read a chunk at a time, each of
+    its rows on the grid of its chunk width (the host checks its pointer, strides and unit
+    key stride)."""
     item = X_DTYPES[dtype][1]
+    aligned_rows = aligned_rows or not vector
     whole = whole_chunks(sk, item, vector, aligned_rows) and mask_whole and mask_kind in al_mask_kinds(dtype)
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows or not vector, whole)
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, False, aligned_rows, whole)
+    if tier == "loop" and caps is not None:
+        slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
+        names = (
+            kernel_fwd_cluster(dtype, mask_kind),
+            kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
+        )
+        plan = _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
+        if plan is not None:
+            return plan
     whole = whole and tier == "register"
     name = kernel_fwd(dtype, mask_kind, nch, rpt, whole) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
     return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason, whole)
 
 
-def plan_backward(rows: int, sk: int, dtype: str, vector: bool, aligned_rows: bool = True) -> LaunchPlan:
+def plan_backward(
+    rows: int, sk: int, dtype: str, vector: bool, aligned_rows: bool = True, caps: DeviceCaps | None = None
+) -> LaunchPlan:
     item = X_DTYPES[dtype][1]
+    aligned_rows = aligned_rows or not vector
     whole = whole_chunks(sk, item, vector, aligned_rows)
-    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows or not vector, whole)
+    tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows, whole)
+    if tier == "loop" and caps is not None:
+        names = (kernel_bwd_cluster(dtype), kernel_bwd_cluster(dtype, CLUSTER_REG))
+        plan = _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+        if plan is not None:
+            return plan
     whole = whole and tier == "register"
     name = kernel_bwd(dtype, nch, rpt, whole) if tier == "register" else kernel_bwd_loop(dtype)
     return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason, whole)

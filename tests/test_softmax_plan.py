@@ -24,6 +24,7 @@ import drvsoftmax
 from drvsoftmax import _args, _compiler, _core, _params, _plan
 
 DTYPES = list(_plan.X_DTYPES)  # float16, bfloat16, float32
+H200 = _plan.DeviceCaps(90, 232448)  # sm_90, 227 KB of shared memory per block
 MASK_KINDS = list(_plan.MASK_KINDS)
 ITEMSIZE = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
 
@@ -163,10 +164,11 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
 def test_every_kernel_name_is_reachable():
     reached = set()
     for dtype in DTYPES:
-        for sk in SWEEP:
-            for mk in MASK_KINDS:
-                reached.add(_plan.plan_forward(64, sk, dtype, mk, True).kernel)
-            reached.add(_plan.plan_backward(64, sk, dtype, True).kernel)
+        for sk in [*SWEEP, 262144, 524288, 2**20]:  # long rows: the cluster tier's register variants
+            for caps in (None, H200):
+                for mk in MASK_KINDS:
+                    reached.add(_plan.plan_forward(64, sk, dtype, mk, True, True, caps).kernel)
+                reached.add(_plan.plan_backward(64, sk, dtype, True, True, caps).kernel)
     names = _plan.all_kernel_names()
     assert len(names) == len(set(names)), "duplicate kernel names"
     assert set(names) == reached, f"never planned: {sorted(set(names) - reached)}"

@@ -289,7 +289,7 @@ static inline const char* smx_mask_step(int kind) {
 // bytes of one mask element
 static inline int smx_mask_itemsize(int kind) {
   switch (kind) {
-    case 0: return 1;
+    case 0: return 0;
     case 1: return 1;
     case 2: return 2;
     case 3: return 4;

@@ -1,0 +1,119 @@
+"""Long rows: the cluster tier against the looped tier, as % of a device-to-device copy.
+
+    python3 benchmarks/long_rows.py [--reps N]
+
+Needs an sm_90+ GPU and PyTorch with CUDA.  For Sk = 65536, 262144 and 1048576 (16-bit
+and fp32 at 2^28 / 2^27 elements: x `[rows, Sk]`), forward without and with a bool padding
+mask `[1, Sk]`, and backward, it prints the tier each launch takes, the median time of
+the cluster tier (the planner's choice on this device) and of the looped tier (the same
+launch planned for a device without clusters), and each as % of the copy ceiling: GB/s
+over the minimum bytes (x, the mask at its own size and y forward; dy, y and dx backward)
+against a device-to-device copy timed in the same run.  Prints only; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+
+def _median_ms(torch, fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _copy_ceiling(torch, reps: int) -> float:
+    """GB/s of a device-to-device copy of 1 GiB (bytes read + written)."""
+    nbytes = 2**30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_ms(torch, lambda: dst.copy_(src), reps) / 1e6
+
+
+def _cases(torch, drvsoftmax, dtype, rows: int, sk: int) -> list:
+    """(name, call, minimum bytes moved) of the forward, the forward with a bool padding
+    mask and the backward on fresh `[rows, sk]` inputs."""
+    x = torch.randn((rows, sk), device="cuda", dtype=dtype)
+    mask = torch.rand((1, sk), device="cuda") < 0.1
+    mask[0, 0] = False
+    y = torch.empty_like(x)
+    dy = torch.randn_like(x)
+    dx = torch.empty_like(x)
+    return [
+        ("fwd", lambda: drvsoftmax.scaled_masked_softmax(x, scale=0.125, out=y), 2 * x.nbytes),
+        ("fwd+bool", lambda: drvsoftmax.scaled_masked_softmax(x, mask, scale=0.125, out=y), 2 * x.nbytes + mask.nbytes),
+        ("bwd", lambda: drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.125, out=dx), 3 * x.nbytes),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per case (median)")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("long_rows.py needs PyTorch", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("long_rows.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    import drvsoftmax
+    import drvsoftmax.torch as dtorch
+    from drvsoftmax import _core, _driver, _plan
+
+    dev = _driver.device(torch.cuda.current_device())
+    caps = dev.caps
+    print(f"{dev.name} (sm_{caps.cc}), {caps.smem_per_block} bytes of shared memory per block")
+    if not caps.clusters:
+        print("no thread-block clusters on this device: both columns would be the looped tier", file=sys.stderr)
+        return 2
+
+    ceiling = _copy_ceiling(torch, args.reps)
+    print(f"copy ceiling: {ceiling:.0f} GB/s\n")
+
+    def use(c: _plan.DeviceCaps) -> None:
+        dev.caps = c
+        _core._cache.clear()
+        dtorch._prepared.clear()
+
+    no_clusters = _plan.DeviceCaps(caps.cc, 0)
+    head = f"{'case':<34} {'tier':<8} {'CTAs':>4} {'cluster ms':>10} {'%copy':>6} {'loop ms':>9} {'%copy':>6}"
+    print(head)
+    print("-" * len(head))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        item = torch.tensor([], dtype=dtype).element_size()
+        total = 2**28 if item == 2 else 2**27
+        for sk in (65536, 262144, 1048576):
+            rows = max(1, total // sk)
+            for name, fn, moved in _cases(torch, drvsoftmax, dtype, rows, sk):
+                use(caps)
+                t_cl = _median_ms(torch, fn, args.reps)
+                plan = next(iter(dtorch._prepared.values()))[0].plan  # the launch that ran (one since the clear)
+                use(no_clusters)
+                t_lp = _median_ms(torch, fn, args.reps)
+                use(caps)
+                label = f"{str(dtype).replace('torch.', '')} [{rows}, {sk}] {name}"
+                pct = [moved / t / 1e6 / ceiling * 100 for t in (t_cl, t_lp)]
+                print(
+                    f"{label:<34} {plan.tier:<8} {plan.cluster:>4} {t_cl:>10.3f} {pct[0]:>6.1f} {t_lp:>9.3f} {pct[1]:>6.1f}"
+                )
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

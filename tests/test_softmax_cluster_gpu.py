@@ -1,0 +1,365 @@
+"""The cluster tier (sm_90+) on a GPU against the float64 reference, on fresh random inputs.
+
+Runs alone: `python -m pytest tests/test_softmax_cluster_gpu.py`.  Skips cleanly without
+PyTorch, without a CUDA GPU, or on a GPU older than sm_90 (no thread-block clusters).
+Every output is poisoned with NaN first, so an element no block writes shows up as a NaN
+the reference does not have.  Each case first checks that the planner really sends it to
+the cluster tier on this device (with the cluster size the case is about).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from helpers import assert_matches, torch_cuda_available
+
+import drvsoftmax
+from drvsoftmax import _core, _driver, _plan, _reference
+
+torch = pytest.importorskip("torch")
+
+
+def _sm90() -> bool:
+    return torch_cuda_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+pytestmark = pytest.mark.skipif(not _sm90(), reason="needs PyTorch with an sm_90+ CUDA GPU (thread-block clusters)")
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+ITEM = {"float16": 2, "bfloat16": 2, "float32": 4}
+_gen = np.random.default_rng(20261130)
+
+
+@functools.lru_cache(maxsize=1)
+def _caps() -> _plan.DeviceCaps:
+    return _driver.device(torch.cuda.current_device()).caps
+
+
+def _np(t):
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy()
+
+
+def _rand(shape, dtype, scale=3.0):
+    return torch.from_numpy(_gen.standard_normal(shape) * scale).to(dtype).cuda()
+
+
+def _fwd_plan(x, mask=None, *, causal=False, key_lengths=None, out=None):
+    def op(t):
+        return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
+
+    y = out if out is not None else x
+    m = None
+    if mask is not None:
+        m = op(mask)
+    k = op(key_lengths) if key_lengths is not None else None
+    aligned = not ((x.data_ptr() | y.data_ptr()) & 15)
+    return _core.forward_params(op(x), op(y), m, k, causal, 1.0, aligned, _caps())[1]
+
+
+def _bwd_plan(dy, y):
+    def op(t):
+        return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
+
+    aligned = not ((dy.data_ptr() | y.data_ptr()) & 15)
+    return _core.backward_params(op(dy), op(y), op(dy), 1.0, aligned, _caps())[1]
+
+
+def _check_forward(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, what="", cluster=None):
+    dt = str(x.dtype).replace("torch.", "")
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    plan = _fwd_plan(x, mask, causal=causal, key_lengths=key_lengths, out=out)
+    assert plan.tier == "cluster", f"{what}: planned {plan.describe()}"
+    if cluster is not None:
+        assert plan.cluster == cluster, f"{what}: planned {plan.describe()}"
+    y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out)
+    assert y is out
+    torch.cuda.synchronize()
+    mnp = None if mask is None else _np(mask)
+    knp = None if key_lengths is None else _np(key_lengths)
+    ref = _reference.softmax_forward(_np(x), mnp, scale, causal, knp)
+    got = _np(y)
+    assert_matches(got, ref, dt, what)
+    hidden = np.broadcast_to(_reference.hidden_positions(x.shape, mnp, causal, knp), x.shape)
+    assert np.all(got[hidden] == 0), f"{what}: hidden positions are not exactly 0"
+    if not np.isnan(ref).any():
+        visible = ~np.all(ref == 0, axis=-1)
+        sums = got.sum(-1, dtype=np.float64)
+        tol = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4}[dt] * max(1.0, np.sqrt(x.shape[-1]) / 16)
+        assert np.all(np.abs(sums[visible] - 1) < tol), f"{what}: rows do not sum to 1"
+        assert np.all(sums[~visible] == 0)
+    return y
+
+
+def _check_backward(dy, y, *, scale=0.5, what="", cluster=None):
+    dt = str(y.dtype).replace("torch.", "")
+    plan = _bwd_plan(dy, y)
+    assert plan.tier == "cluster", f"{what}: planned {plan.describe()}"
+    if cluster is not None:
+        assert plan.cluster == cluster, f"{what}: planned {plan.describe()}"
+    dy_before, y_before = dy.clone(), y.clone()
+    out = torch.full(y.shape, float("nan"), dtype=y.dtype, device="cuda")
+    dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=scale, out=out)
+    torch.cuda.synchronize()
+    ynp, dynp = _np(y), _np(dy)
+    ref = _reference.softmax_backward(dynp, ynp, scale)
+    got = _np(dx)
+    mag = np.abs(ynp) * (np.abs(dynp) + np.abs((dynp * ynp).sum(-1, keepdims=True))) * abs(scale)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5}[dt]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"{what}: NaN pattern differs")
+    inf = np.isinf(ref)
+    np.testing.assert_array_equal(got[inf], ref[inf], err_msg=f"{what}: infinities differ")
+    with np.errstate(invalid="ignore"):
+        bad = np.isfinite(ref) & ~(np.abs(got - ref) <= tol * mag + 1e-7)
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {got.size} elements outside the backward tolerance"
+    assert np.all(got[ynp == 0] == 0), f"{what}: positions where y == 0 must get exactly 0"
+    assert torch.equal(dy, dy_before) and torch.equal(y, y_before), f"{what}: dy and y must not be written"
+
+
+def _planned(dtype: str, sk: int, backward: bool) -> _plan.LaunchPlan:
+    if backward:
+        return _plan.plan_backward(2, sk, dtype, True, True, _caps())
+    return _plan.plan_forward(2, sk, dtype, "none", True, True, _caps())
+
+
+def _boundary_sks(dtype: str, backward: bool) -> list[tuple[int, _plan.LaunchPlan]]:
+    """Row lengths around every change of launch shape of the cluster tier on this device
+    (cluster size, chunks per thread, register variant; the register tier before it and the
+    loop after it), each with the plan it gets: just below, at and one past each change."""
+    n = 16 // ITEM[dtype]
+
+    def key(c):
+        p = _planned(dtype, c * n, backward)
+        return p.tier, p.kernel, p.cluster, p.nch
+
+    last = 2048 if ITEM[dtype] == 2 else 4096  # the register tier's last row, in chunks
+    changes, c, prev = [last], last + 1, key(last + 1)
+    while prev[0] == "cluster":
+        c += 1024
+        cur = key(c)
+        if cur != prev:
+            lo, hi = c - 1024, c  # the change lies in (lo, hi]
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if key(mid) == prev else (lo, mid)
+            changes.append(lo)
+        prev = cur
+    out = []
+    for chunks in changes:
+        for sk in (chunks * n - 1, chunks * n, chunks * n + 1):
+            p = _planned(dtype, sk, backward)
+            if p.tier == "cluster":
+                out.append((sk, p))
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Forward
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_around_every_cluster_size_boundary(dtype):
+    """Rows just below, at and beyond each change of cluster size, chunks per thread or
+    register variant, odd lengths among them."""
+    cases = _boundary_sks(dtype, False)
+    assert {p.cluster for _, p in cases} == {2, 4, 8, 16}, [(sk, p.kernel, p.cluster) for sk, p in cases]
+    assert any(p.kernel.endswith(", 4>") for _, p in cases)  # the register variant
+    for sk, p in cases:
+        x = _rand((2, sk), DTYPES[dtype])
+        _check_forward(x, scale=0.37, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})", cluster=p.cluster)
+    for sk in (16385, 16393, 20001, 40000, 65537, 99999):
+        x = _rand((3, sk), DTYPES[dtype])
+        _check_forward(x, scale=-0.6, what=f"{dtype} Sk={sk}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [16385, 65536, 200003])
+@pytest.mark.parametrize(
+    "kind", ["bool_b1qk", "int64_11qk", "add_own_b1qk", "add_f32_b11k", "add_f64_qk", "bool_offset", "add_strided"]
+)
+def test_forward_masks(dtype, sk, kind):
+    b, h, q = 2, 2, 2
+    shape = (b, h, q, sk)
+    x = _rand(shape, DTYPES[dtype])
+    dims = {"b1qk": (b, 1, q, sk), "11qk": (1, 1, q, sk), "b11k": (b, 1, 1, sk), "qk": (q, sk)}
+    if kind in ("bool_offset", "add_strided"):
+        wide = (b, 1, q, 2 * sk + 8)
+        if kind == "bool_offset":  # one element in: the mask row is read element-wise
+            m = torch.from_numpy(_gen.random(wide) < 0.3).cuda()[..., 1 : 1 + sk]
+        else:  # a stride along the row
+            v = torch.from_numpy(_gen.standard_normal(wide)).to(DTYPES[dtype])
+            m = v.masked_fill(torch.from_numpy(_gen.random(wide) < 0.2), float("-inf")).cuda()[..., : 2 * sk : 2]
+    else:
+        mshape = dims[kind.rsplit("_", 1)[1]]
+        if kind.startswith("add"):
+            mdt = {"own": DTYPES[dtype], "f32": torch.float32, "f64": torch.float64}[kind.split("_")[1]]
+            v = torch.from_numpy(_gen.standard_normal(mshape)).to(mdt)
+            m = v.masked_fill(torch.from_numpy(_gen.random(mshape) < 0.2), float("-inf")).cuda()
+        else:
+            mdt = {"bool": torch.bool, "int64": torch.int64}[kind.split("_")[0]]
+            m = torch.from_numpy(_gen.integers(1, 5, mshape) * (_gen.random(mshape) < 0.3)).to(mdt).cuda()
+    _check_forward(x, m, scale=0.5, what=f"{dtype} Sk={sk} mask {kind}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sq,sk", [(3, 40000), (5, 65536), (2, 262145)])
+def test_forward_causal(dtype, sq, sk):
+    x = _rand((2, 1, sq, sk), DTYPES[dtype])
+    _check_forward(x, causal=True, scale=0.5, what=f"{dtype} causal {sq}x{sk}")
+
+
+@pytest.mark.parametrize("kl_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sk", [20000, 65536, 131075])
+def test_forward_key_lengths(kl_dtype, sk):
+    x = _rand((5, 1, 2, sk), torch.float16)
+    # 0, 1, a length inside one block's slice, past the first block, > Sk (all legal)
+    kl = torch.tensor([0, 1, 3000, sk - 7, sk + 10], dtype=kl_dtype, device="cuda")
+    _check_forward(x, key_lengths=kl, what=f"key_lengths Sk={sk}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_every_source_together(dtype):
+    b, h, q, sk = 3, 2, 3, 70001
+    x = _rand((b, h, q, sk), DTYPES[dtype])
+    m = torch.from_numpy(_gen.random((b, 1, q, sk)) < 0.3).cuda()
+    kl = torch.tensor([sk, sk // 2, 0], dtype=torch.int64, device="cuda")
+    _check_forward(x, m, scale=-0.8, causal=True, key_lengths=kl, what=f"{dtype} all sources")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [16385, 40000, 262144])
+def test_forward_nonfinite_and_hidden_rows(dtype, sk):
+    x = _rand((1, 1, 7, sk), DTYPES[dtype])
+    x[0, 0, 0, sk // 2 + 3] = float("nan")  # NaN row (the NaN in a later block's slice)
+    x[0, 0, 1, sk - 1] = float("inf")  # +inf row: NaN throughout
+    x[0, 0, 2, :] = float("-inf")  # every score -inf: all zeros
+    x[0, 0, 3, sk - 1] = float("-inf")  # one -inf key: hidden
+    m = torch.zeros((1, 1, 7, sk), dtype=torch.bool, device="cuda")
+    m[0, 0, 4, :] = True  # fully masked row: zeros
+    m[0, 0, 5, 0] = True
+    x[0, 0, 5, 0] = float("nan")  # NaN under a boolean mask is hidden, not NaN
+    m[0, 0, 6, : sk - 1] = True  # only the last key visible: 1 there
+    _check_forward(x, m, what=f"{dtype} nonfinite Sk={sk}")
+
+
+@pytest.mark.parametrize("sk", [20000, 65537])
+def test_forward_strided_and_unaligned_rows(sk):
+    base = _rand((2, 3, 2 * sk + 8), torch.float16)
+    views = {
+        "rows off the 16-byte grid": base[..., 1 : 1 + sk],
+        "slice": base[:, ::2, 4 : 4 + sk],
+        "last_dim_stride2": base[..., : 2 * sk : 2],
+        "expanded_rows": base[:1, :1, :sk].expand(2, 3, sk),
+    }
+    for name, v in views.items():
+        _check_forward(v, scale=0.3, what=f"{name} Sk={sk}")
+    # out= a row-misaligned view of a bigger buffer, x aligned: element-wise accesses
+    x = _rand((3, sk), torch.float32)
+    buf = torch.full((3 * sk + 1,), float("nan"), dtype=torch.float32, device="cuda")
+    out = buf[1:].view(3, sk)
+    drvsoftmax.scaled_masked_softmax(x, scale=0.3, out=out)
+    torch.cuda.synchronize()
+    assert_matches(_np(out), _reference.softmax_forward(_np(x), None, 0.3), "float32", "misaligned out")
+
+
+@pytest.mark.parametrize(
+    "dtype,sk,mask", [("float16", 2**20, False), ("bfloat16", 2**20, True), ("float32", 262144, True)]
+)
+def test_forward_longest_targets(dtype, sk, mask):
+    """1M-key 16-bit rows (clusters of 16: the non-portable size) and 256K fp32 rows."""
+    x = _rand((3, sk), DTYPES[dtype])
+    m = torch.from_numpy(_gen.random((1, sk)) < 0.3).cuda() if mask else None
+    _check_forward(x, m, scale=0.7, what=f"{dtype} Sk={sk} mask={mask}", cluster=16)
+
+
+def test_forward_many_clusters_cover_every_row():
+    rows, sk = 2000, 65536
+    x = torch.randn((rows, sk), device="cuda", dtype=torch.float16)
+    assert _fwd_plan(x).tier == "cluster"
+    y = torch.full_like(x, float("nan"))
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5, out=y)
+    idx = torch.cat([torch.arange(0, rows, 37, device="cuda"), torch.tensor([rows - 1], device="cuda")])
+    ref = torch.softmax(x[idx].double() * 0.5, -1)
+    assert_matches(y[idx].float().cpu().numpy(), ref.cpu().numpy(), "float16", "many clusters")
+    assert not torch.isnan(y).any()
+
+
+def test_forward_on_a_side_stream_and_in_a_cuda_graph():
+    x = _rand((4, 50000), torch.bfloat16)
+    ref = _reference.softmax_forward(_np(x), None, 0.25)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = drvsoftmax.scaled_masked_softmax(x, scale=0.25)
+    s.synchronize()
+    assert_matches(_np(y), ref, "bfloat16", "side stream")
+    out = torch.full_like(x, float("nan"))
+    drvsoftmax.scaled_masked_softmax(x, scale=0.25, out=out)  # prepared (and loaded) before capture
+    out.fill_(float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        drvsoftmax.scaled_masked_softmax(x, scale=0.25, out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_matches(_np(out), ref, "bfloat16", "graph replay")
+
+
+def test_loop_tier_when_clusters_cannot_run(monkeypatch):
+    """A device whose clusters of that size cannot be resident plans the looped tier."""
+    dev = _driver.device(torch.cuda.current_device())
+    monkeypatch.setattr(dev, "cluster_ready", lambda *a: False)
+    x = _rand((2, 40003), torch.float16)
+    aligned = not (x.data_ptr() & 15)
+    xo = _core.Operand(x.data_ptr(), "float16", tuple(x.shape), tuple(x.stride()))
+    prep = _core.prepare_forward(dev, xo, xo, None, None, False, 1.0, aligned)
+    assert prep.plan.tier == "loop" and prep.cluster is None
+
+
+# ----------------------------------------------------------------------------------
+# Backward
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_backward_around_every_cluster_size_boundary(dtype):
+    cases = _boundary_sks(dtype, True)
+    assert {p.cluster for _, p in cases} >= {4, 8, 16}
+    assert any(p.kernel.endswith(", 4>") for _, p in cases)  # the register variant
+    for sk, p in cases:
+        y = torch.softmax(_rand((2, sk), torch.float32), -1).to(DTYPES[dtype])
+        dy = _rand((2, sk), DTYPES[dtype], 1.0)
+        _check_backward(dy, y, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})", cluster=p.cluster)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [16385, 40001, 65536, 262144])
+def test_backward_of_masked_causal_forward(dtype, sk):
+    shape = (2, 1, 3, sk)
+    x = _rand(shape, DTYPES[dtype])
+    m = torch.from_numpy(_gen.random((2, 1, 3, sk)) < 0.3).cuda()
+    m[0, 0, 0, :] = True  # a fully hidden row: y == 0, dx == 0
+    y = drvsoftmax.scaled_masked_softmax(x, m, scale=0.5, causal=True)
+    dy = _rand(shape, DTYPES[dtype], 1.0)
+    _check_backward(dy, y, scale=0.5, what=f"{dtype} Sk={sk}")
+
+
+def test_backward_strided_and_unaligned():
+    sk = 30001
+    base = torch.softmax(_rand((3, 2 * sk + 8), torch.float32), -1).to(torch.float16)
+    dbase = _rand((3, 2 * sk + 8), torch.float16, 1.0)
+    for name, (dy, y) in {
+        "rows off the 16-byte grid": (dbase[:, 1 : 1 + sk], base[:, 1 : 1 + sk]),
+        "last_dim_stride2": (dbase[:, : 2 * sk : 2], base[:, : 2 * sk : 2]),
+    }.items():
+        _check_backward(dy, y, what=name)
+
+
+def test_backward_nan_rows():
+    sk = 70000
+    y = torch.softmax(_rand((3, sk), torch.float32), -1)
+    dy = _rand((3, sk), torch.float32, 1.0)
+    y[0, sk - 3] = float("nan")
+    dy[1, 5] = float("inf")
+    _check_backward(dy, y, what="nonfinite backward")

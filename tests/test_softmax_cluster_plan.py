@@ -1,0 +1,290 @@
+"""The cluster tier on the CPU: when the planner picks it, the shapes it gives, and that its
+kernels are built for sm_90+ only (their bodies compile empty below).
+
+Rows longer than the register tier are held on chip by a thread-block cluster on sm_90+
+devices whose shared memory holds them; other devices and longer rows keep the looped tier.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from drvsoftmax import _compiler, _core, _plan
+
+H200 = _plan.DeviceCaps(90, 232448)  # sm_90: 227 KB of shared memory per block
+B200 = _plan.DeviceCaps(100, 232448)
+RTX = _plan.DeviceCaps(120, 101376)  # sm_120: 99 KB per block
+A100 = _plan.DeviceCaps(80, 166912)
+L40 = _plan.DeviceCaps(89, 101376)
+DTYPES = list(_plan.X_DTYPES)
+ITEM = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
+C_BYTES = {"smx_u8": 1, "smx_u16": 2, "smx_u32": 4, "smx_u64": 8, "smx_f16": 2, "smx_bf16": 2, "float": 4, "double": 8}
+LONG = [16385, 16393, 20000, 32768, 65535, 65536, 100003, 262144, 524288, 1048576, 1048577, 1835008, 1835009]
+
+
+def _slot(mask_kind: str, dtype: str, backward: bool) -> int:
+    """Shared memory per 16-byte chunk of x, computed from the C types (not the planner's table)."""
+    if backward:
+        return 32
+    m = re.search(r"<(\w+)>", _plan.MASK_KINDS[mask_kind])
+    return 16 + (16 // ITEM[dtype]) * (C_BYTES[m.group(1)] if m else 0)
+
+
+def _plan_of(backward, rows, sk, dtype, mk, aligned, caps):
+    if backward:
+        return _plan.plan_backward(rows, sk, dtype, True, aligned, caps)
+    return _plan.plan_forward(rows, sk, dtype, mk, True, aligned, caps)
+
+
+def test_mask_element_sizes_match_the_c_types():
+    assert set(_plan.MASK_ITEMSIZE) == set(_plan.MASK_KINDS)
+    for mk in _plan.MASK_KINDS:
+        assert 16 + 8 * _plan.MASK_ITEMSIZE[mk] == _slot(mk, "float16", False), mk
+
+
+@pytest.mark.parametrize("caps", [None, A100, L40, _plan.DeviceCaps(75, 65536)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_no_cluster_tier_before_sm_90(caps, backward):
+    """Devices without clusters (and no device at all) plan exactly as without `caps`."""
+    for dtype in DTYPES:
+        for sk in [1, 128, 16384, *LONG]:
+            for aligned in (True, False):
+                for mk in ("none", "hide1", "add_float64") if not backward else ("none",):
+                    p = _plan_of(backward, 33, sk, dtype, mk, aligned, caps)
+                    assert p == _plan_of(backward, 33, sk, dtype, mk, aligned, None)
+                    assert p.tier != "cluster" and p.cluster == 0 and p.smem == 0
+
+
+def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool):
+    """(CTAs per cluster, chunks per thread in shared memory, in registers) the planner
+    should pick, or None: the smallest cluster whose blocks stay under the target (else the
+    largest that fits), all chunks in shared memory, unless that leaves one CTA per SM (or
+    does not fit) and the register variant gives two (or fits at all)."""
+    limit = caps.smem_per_block - _plan.CLUSTER_SMEM_RESERVE
+
+    def best(reg):
+        shapes = {}
+        for cs in (2, 4, 8, 16):
+            q = 4 * -(-max(0, chunks - cs * 256 * reg) // (cs * 256 * 4))
+            if q * 256 * slot <= limit:
+                shapes[cs] = q
+        if not shapes:
+            return None
+        under = [c for c in sorted(shapes) if shapes[c] * 256 * slot <= _plan.CLUSTER_SMEM_TARGET]
+        cs = under[0] if under else max(shapes)
+        return cs, shapes[cs], reg
+
+    def two_per_sm(q):
+        return 2 * (q * 256 * slot + 1024) <= caps.smem_per_block + 1024
+
+    r0 = best(0)
+    if reg_variant and (r0 is None or not two_per_sm(r0[1])):
+        r4 = best(_plan.CLUSTER_REG)
+        if r4 is not None and (r0 is None or two_per_sm(r4[1])):
+            return r4
+    return r0
+
+
+@pytest.mark.parametrize("caps", [H200, B200, RTX, _plan.DeviceCaps(90, 48 * 1024)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backward", [False, True])
+def test_cluster_shapes_hold_the_row(caps, dtype, backward):
+    """A cluster plan covers every chunk of the row with the fewest chunks per thread of
+    its cluster size, fits the device's shared memory, and is taken whenever any cluster
+    size holds the row; the register variant only where it turns one CTA per SM into two
+    or holds a row that shared memory alone cannot."""
+    limit = caps.smem_per_block - _plan.CLUSTER_SMEM_RESERVE
+    kinds = ("none",) if backward else tuple(_plan.MASK_KINDS)
+    regs_seen = set()
+    for mk in kinds:
+        slot = _slot(mk, dtype, backward)
+        for sk in LONG:
+            for aligned in (True, False):
+                rows = 37
+                p = _plan_of(backward, rows, sk, dtype, mk, aligned, caps)
+                chunks = _plan.row_chunks(sk, ITEM[dtype], aligned)
+                want = _expected_shape(chunks, slot, caps, backward or mk == "none")
+                if want is None:
+                    assert p.tier == "loop" and p.cluster == 0, (mk, sk, p)
+                    continue
+                cs, q, reg = want
+                regs_seen.add(reg)
+                assert p.tier == "cluster", (mk, sk, p)
+                assert (p.cluster, p.nch, p.smem) == (cs, reg + q, q * 256 * slot), (mk, sk, p, want)
+                assert q % 4 == 0 and cs * (reg + q) * 256 >= chunks
+                assert q == 0 or cs * (reg + q - 4) * 256 < chunks
+                assert p.smem <= limit
+                assert p.grid == rows * cs and p.block == 256 == 1 << p.tpr_log2
+                assert p.kernel == (
+                    _plan.kernel_bwd_cluster(dtype, reg) if backward else _plan.kernel_fwd_cluster(dtype, mk, reg)
+                )
+                assert p.kernel in _plan.all_kernel_names()
+    if caps is H200:
+        assert regs_seen == {0, _plan.CLUSTER_REG}, regs_seen
+
+
+def test_register_variant_where_it_gives_two_ctas_per_sm():
+    p = _plan.plan_backward(64, 262144, "float32", True, True, H200)  # 2 MB of dy and y per row
+    assert p.kernel == "smx_bwd_cluster<float, 4>" and p.cluster == 16 and p.smem == 12 * 256 * 32
+    p = _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200)
+    assert p.kernel == "smx_fwd_cluster<smx_f16, MaskNone, 4>" and p.nch == 32 and p.smem == 28 * 256 * 16
+    # Rows whose blocks already share an SM keep every chunk in shared memory.
+    assert _plan.plan_forward(64, 65536, "float16", "none", True, True, H200).kernel.endswith(", 0>")
+    assert _plan.plan_backward(64, 65536, "bfloat16", True, True, H200).kernel.endswith(", 0>")
+    # Masked forwards have no register variant.
+    assert _plan.plan_forward(64, 2**20, "float16", "hide1", True, True, H200).kernel.endswith("<smx_u8>, 0>")
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_cluster_tier_starts_where_the_register_tier_ends(backward):
+    for dtype in DTYPES:
+        last = 16384
+        assert _plan_of(backward, 8, last, dtype, "none", True, H200).tier == "register"
+        assert _plan_of(backward, 8, last + 1, dtype, "none", True, H200).tier == "cluster"
+        # Rows off the 16-byte grid touch one chunk more: the register tier ends a chunk earlier.
+        n = 16 // ITEM[dtype]
+        assert _plan_of(backward, 8, last - n + 2, dtype, "none", False, H200).tier == "cluster"
+
+
+@pytest.mark.parametrize(
+    "dtype,mk,backward",
+    [("float16", "none", False), ("bfloat16", "hide1", False), ("float32", "none", False), ("float16", "", True)],
+)
+def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
+    """The last row length the cluster tier takes and the first it leaves to the loop."""
+    n = 16 // ITEM[dtype]
+    slot = _slot(mk or "none", dtype, backward)
+    qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
+    reg = _plan.CLUSTER_REG if backward or mk == "none" else 0
+    longest = 16 * 256 * (qmax + reg) * n
+    p = _plan_of(backward, 2, longest, dtype, mk or "none", True, H200)
+    assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax + reg and p.kernel.endswith(f", {reg}>")
+    assert _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200).tier == "loop"
+    assert _plan_of(backward, 2, longest, dtype, mk or "none", False, H200).tier == "loop"  # one chunk more
+
+
+def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
+    for sk in (65536, 262144):
+        for dtype in DTYPES:
+            for mk in ("none", "hide1", f"add_{dtype}"):
+                assert _plan.plan_forward(64, sk, dtype, mk, True, True, H200).tier == "cluster", (sk, dtype, mk)
+            assert _plan.plan_backward(64, sk, dtype, True, True, H200).tier == "cluster", (sk, dtype)
+    # 1M keys: 16-bit rows fit (2 MB of x, 1 MB of a bool mask, 4 MB of dy and y over 16
+    # blocks, with registers); fp32 rows do not.
+    assert _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200).tier == "cluster"
+    assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "cluster"
+    assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "cluster"
+    assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "loop"
+    assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "loop"
+
+
+def test_cluster_grid_beyond_the_launch_limit_takes_the_loop():
+    rows = _plan.MAX_GRID // 2 + 1  # 2 blocks per row would pass the limit
+    p = _plan.plan_forward(rows, 20000, "float16", "none", True, True, H200)
+    assert p.tier == "loop" and p.grid == rows
+
+
+def test_describe_names_the_cluster():
+    p = _plan.plan_forward(64, 65536, "float16", "none", True, True, H200)
+    text = p.describe()
+    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone, 0>")
+    assert f"clusters of {p.cluster}" in text and f"{p.smem} bytes of shared memory" in text
+
+
+def test_forward_and_backward_params_thread_the_device_through():
+    shape = (2, 3, 40000)
+    strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+    x = _core.Operand(0, "float16", shape, strides)
+    _, p = _core.forward_params(x, x, None, None, False, 1.0, True, H200)
+    assert p.tier == "cluster" and p.grid == 6 * p.cluster
+    _, p = _core.forward_params(x, x, None, None, False, 1.0, True)
+    assert p.tier == "loop"
+    _, p = _core.forward_params(x, x, None, None, False, 1.0, True, A100)
+    assert p.tier == "loop"
+    _, p = _core.backward_params(x, x, x, 1.0, True, H200)
+    assert p.tier == "cluster"
+    _, p = _core.backward_params(x, x, x, 1.0, True)
+    assert p.tier == "loop"
+
+
+def test_cluster_kernels_are_built_for_sm_90_only():
+    """The PTX of sm_90 holds the cluster barrier, the distributed shared-memory load and the
+    asynchronous copies; that of sm_80 has none of them (the bodies compile empty)."""
+    try:
+        _compiler.nvrtc_version()
+    except Exception as e:  # no NVRTC library on this machine
+        pytest.skip(f"NVRTC unavailable: {type(e).__name__}: {e}")
+    names = [_plan.kernel_fwd_cluster("float16", "hide1"), _plan.kernel_bwd_cluster("float32", _plan.CLUSTER_REG)]
+    text90 = _compiler.compile_kernels("compute_90", names).image.decode(errors="replace")
+    text80 = _compiler.compile_kernels("compute_80", names).image.decode(errors="replace")
+    for needle in ("barrier.cluster.arrive.release", "barrier.cluster.wait.acquire", "mapa.shared::cluster"):
+        assert text90.count(needle) >= 2, needle  # in both kernels
+        assert needle not in text80
+    assert "ld.shared::cluster" in text90 and "cp.async.cg.shared.global" in text90
+    assert "cp.async" not in text80
+
+
+class _FakeDevice:
+    """What _core.prepare_* asks of a device, without one."""
+
+    def __init__(self, caps, ready):
+        self.caps = caps
+        self.ready = ready
+        self.asked = []
+
+    def kernel(self, name):
+        return name
+
+    def cluster_ready(self, name, cluster, smem, block):
+        self.asked.append((name, cluster, smem, block))
+        return self.ready
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_prepared_cluster_launch_or_loop_fallback(ready):
+    """A cluster plan is kept when the device can run its clusters (and then carries its
+    launch configuration: grid, block, cluster dims, dynamic shared memory), else the
+    launch is planned again without the cluster tier."""
+    pytest.importorskip("cuda.bindings")
+    shape = (3, 50001)
+    x = _core.Operand(0, "bfloat16", shape, (50001, 1))
+    dev = _FakeDevice(H200, ready)
+    prep = _core.prepare_forward(dev, x, x, None, None, False, 0.5, True)
+    expected = _plan.plan_forward(3, 50001, "bfloat16", "none", True, True, H200)
+    assert dev.asked == [(expected.kernel, expected.cluster, expected.smem, 256)]
+    if ready:
+        assert prep.plan == expected and prep.kernel == expected.kernel
+        cfg = prep.cluster
+        assert (cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes) == (3 * expected.cluster, 256, expected.smem)
+        assert cfg.numAttrs == 1 and cfg.attrs[0].value.clusterDim.x == expected.cluster
+    else:
+        assert prep.plan.tier == "loop" and prep.cluster is None
+        assert prep.plan == _plan.plan_forward(3, 50001, "bfloat16", "none", True, True, None)
+    dev = _FakeDevice(H200, ready)
+    prep = _core.prepare_backward(dev, x, x, x, 0.5, True)
+    assert prep.plan.tier == ("cluster" if ready else "loop") and (prep.cluster is not None) == ready
+    # Short rows never ask.
+    dev = _FakeDevice(H200, ready)
+    short = _core.Operand(0, "float16", (4, 1000), (1000, 1))
+    prep = _core.prepare_forward(dev, short, short, None, None, False, 1.0, True)
+    assert prep.plan.tier == "register" and prep.cluster is None and dev.asked == []
+
+
+def test_explain_plans_for_an_architecture():
+    import drvsoftmax
+
+    text = drvsoftmax.explain((2, 8, 65536), "float16", arch="sm_90")
+    assert text.startswith("cluster tier: smx_fwd_cluster<smx_f16, MaskNone, 0>") and "clusters of" in text
+    assert drvsoftmax.explain((2, 8, 65536), "float16", arch="sm_90", backward=True).startswith(
+        "cluster tier: smx_bwd_cluster<smx_f16, 0>"
+    )
+    assert drvsoftmax.explain((2, 65536), "float32", mask_dtype="bool", arch="sm_120").startswith("cluster tier")
+    for arch in ("sm_80", "sm_89", None):
+        assert drvsoftmax.explain((2, 8, 65536), "float16", arch=arch).startswith("loop tier")
+    assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")
+    with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^arch must be of the form 'sm_XY'"):
+        drvsoftmax.explain((2, 65536), "float16", arch="hopper")
+    assert _plan.caps_of_arch(90) == H200 and _plan.caps_of_arch(120) == RTX and not _plan.caps_of_arch(86).clusters
