@@ -333,6 +333,7 @@ GPU_DOORS = ("torch-cuda", "compile-cuda", "cupy")
 ALL = CPU_DOORS + GPU_DOORS
 TORCH = ("torch", "compile", "compile-fullgraph", "torch-cuda", "compile-cuda")
 EAGER = ("numpy", "torch", "cai", "torch-cuda", "cupy")  # no tracing
+EAGER_NOT_CUPY = ("numpy", "torch", "cai", "torch-cuda")
 NOT_FULLGRAPH = tuple(d for d in ALL if d not in ("compile-fullgraph", "compile-cuda"))
 GPU_ONLY = ("torch-cuda", "compile-cuda", "cupy")
 
@@ -467,7 +468,15 @@ CASES = [
     ("mask_complex", lambda D: fwd(D, mask=D.arr((4, 5), "complex64")), TypeE, r"^mask must be .*complex64", ALL),
     ("mask_list", lambda D: fwd(D, mask=[0, 0, 0, 0, 1]), TypeE, r"^mask must be a .*got list", ALL),
     ("mask_str", lambda D: fwd(D, mask="causal"), TypeE, r"^mask must be a .*got str", ALL),
-    ("mask_other_framework", lambda D: fwd(D, mask=D.other((4, 5))), TypeE, r"^mask must be a .*got", EAGER),
+    ("mask_other_framework", lambda D: fwd(D, mask=D.other((4, 5))), TypeE, r"^mask must be a .*got", EAGER_NOT_CUPY),
+    # CuPy's door reads any DLPack producer: a host tensor is refused for where it lives.
+    (
+        "mask_other_framework_on_host",
+        lambda D: fwd(D, mask=D.other((4, 5))),
+        ValueE,
+        r"^mask must be an array in CUDA device memory, got a DLPack array on CPU",
+        ("cupy",),
+    ),
     # ---- causal
     ("causal_str", lambda D: fwd(D, causal="yes"), TypeE, r"^causal must be a bool, got str 'yes'", ALL),
     ("causal_float", lambda D: fwd(D, causal=1.5), TypeE, r"^causal must be a bool, got float 1\.5", ALL),
@@ -664,7 +673,20 @@ CASES = [
         r"^dy must be a .*like y, got list",
         ALL,
     ),
-    ("bwd_dy_other_framework", lambda D: bwd(D, dy=D.other(XSHAPE)), TypeE, r"^dy must be a .*like y, got", EAGER),
+    (
+        "bwd_dy_other_framework",
+        lambda D: bwd(D, dy=D.other(XSHAPE)),
+        TypeE,
+        r"^dy must be a .*like y, got",
+        EAGER_NOT_CUPY,
+    ),
+    (
+        "bwd_dy_other_framework_on_host",
+        lambda D: bwd(D, dy=D.other(XSHAPE)),
+        ValueE,
+        r"^dy must be an array in CUDA device memory, got a DLPack array on CPU",
+        ("cupy",),
+    ),
     (
         "bwd_dy_shape",
         lambda D: bwd(D, dy=D.arr((2, 3, 4, 6))),

@@ -58,7 +58,7 @@ def _fwd_plan(x, mask=None, *, causal=False, key_lengths=None, out=None):
         m = op(mask)
     k = op(key_lengths) if key_lengths is not None else None
     aligned = not ((x.data_ptr() | y.data_ptr()) & 15)
-    return _core.forward_params(op(x), op(y), m, k, causal, 1.0, aligned, _caps())[1]
+    return _core.forward_params(op(x), op(y), m, k, causal, 1.0, aligned, caps=_caps())[1]
 
 
 def _bwd_plan(dy, y):

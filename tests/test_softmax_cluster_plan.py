@@ -198,11 +198,11 @@ def test_forward_and_backward_params_thread_the_device_through():
     shape = (2, 3, 40000)
     strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
     x = _core.Operand(0, "float16", shape, strides)
-    _, p = _core.forward_params(x, x, None, None, False, 1.0, True, H200)
+    _, p = _core.forward_params(x, x, None, None, False, 1.0, True, caps=H200)
     assert p.tier == "cluster" and p.grid == 6 * p.cluster
     _, p = _core.forward_params(x, x, None, None, False, 1.0, True)
     assert p.tier == "loop"
-    _, p = _core.forward_params(x, x, None, None, False, 1.0, True, A100)
+    _, p = _core.forward_params(x, x, None, None, False, 1.0, True, caps=A100)
     assert p.tier == "loop"
     _, p = _core.backward_params(x, x, x, 1.0, True, H200)
     assert p.tier == "cluster"
