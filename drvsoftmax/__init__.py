@@ -16,10 +16,11 @@ Mask semantics, with keys j along the last axis and queries i along the one befo
     key_lengths [B]     : keys j >= key_lengths[b] hidden (any integer dtype; clamped to [0, Sk])
 
 A row with no visible key is all zeros; a row whose scores hold NaN or +inf is NaN.
-CUDA torch tensors, CuPy and Numba arrays and any CUDA array that speaks DLPack or
-``__cuda_array_interface__`` run the fused kernel; NumPy arrays and CPU tensors take a
-float64 reference path with the same semantics.  ``drvsoftmax.raw`` takes raw device
-pointers.  Nothing here touches the GPU at import time.
+CUDA torch tensors, CuPy and Numba arrays, jax.Arrays on a GPU (outside ``jax.jit``) and
+any CUDA array that speaks DLPack or ``__cuda_array_interface__`` run the fused kernel;
+results come back in the input's own array type.  NumPy arrays, CPU tensors and CPU JAX
+arrays take a float64 reference path with the same semantics.  ``drvsoftmax.raw`` takes raw
+device pointers.  Nothing here touches the GPU at import time.
 """
 
 from __future__ import annotations
