@@ -130,6 +130,34 @@ def test_forward_all_sources_together(dtype, sk):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [7, 128, 1000, 4096, 4097, 20000])
+@pytest.mark.parametrize("mask", ["bool_b1qk", "uint8_11qk", "add_own_b1qk", "add_f32_qk", "bool_b11k"])
+def test_mask_shared_by_heads_in_head_inner_row_order(monkeypatch, dtype, sk, mask):
+    """With the reuse threshold at 0 every mask broadcast over a leading dim runs the rows
+    sharing a mask row together (the order large masks take); every source still lands on
+    its own row: mask, causal, key_lengths, strided x."""
+    from drvsoftmax import _core
+    from drvsoftmax import torch as tfront
+
+    monkeypatch.setattr(_core, "MASK_REUSE_BYTES", 0)
+    _core._cache.clear()
+    tfront._prepared.clear()
+    try:
+        b, h, q = (3, 4, 5) if sk <= 4097 else (2, 3, 2)
+        x = _rand((b, h, q, sk), DTYPES[dtype])
+        m = _make_mask(mask, (b, h, q, sk), DTYPES[dtype])
+        kl = torch.tensor([sk, max(1, sk // 3), 0][:b], dtype=torch.int32, device="cuda")
+        what = f"{dtype} Sk={sk} {mask} head-inner"
+        _check_forward(x, m, scale=0.6, what=what)
+        _check_forward(x, m, scale=0.6, causal=True, key_lengths=kl, what=what + " causal klen")
+        xt = _rand((b, q, h, sk), DTYPES[dtype]).transpose(1, 2)  # heads not outermost in memory
+        _check_forward(xt, m, scale=0.6, causal=True, what=what + " strided")
+    finally:
+        _core._cache.clear()
+        tfront._prepared.clear()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("sq,sk", [(1, 7), (4, 9), (9, 4), (3, 33000), (130, 130), (5, 1)])
 def test_causal_bottom_right(dtype, sq, sk):
     x = _rand((2, 2, sq, sk), DTYPES[dtype])

@@ -457,3 +457,69 @@ def test_prepared_backward_parameters_read_back_under_c_names():
     assert (f["sk"], f["sdy"], f["sy"], f["sdx"], f["scale"]) == (50000, 1, 1, 1, 0.5)
     assert f["flags"] == _core.F_VEC | _core.F_SMALL | _core.F_SAMEMAP and f["tpr_log2"] == 8
     assert f["span_dy"] == f["span_y"] == 6 * 50000
+
+
+def _fwd_maps(v, name):
+    """A row map (div, mod, stride terms) read back from forward_params' fields."""
+    n = v[f"{name}.nterms"]
+    return list(zip(v[f"{name}.div"][:n], v[f"{name}.mod"][:n], v[f"{name}.stride"][:n]))
+
+
+@pytest.mark.parametrize(
+    "shape, mshape, big",
+    [
+        ((2, 32, 4096, 4096), (2, 1, 4096, 4096), True),  # a mask per batch, shared by 32 heads: heads innermost
+        ((2, 16, 512, 16384), (1, 1, 512, 16384), False),  # 50 MB between uses: row-major
+        ((2, 32, 4096, 4096), (2, 1, 1, 4096), False),  # a key-padding mask: reused at once
+        ((3, 5, 7, 9), (3, 1, 7, 9), True),  # small, with the threshold lowered below
+        ((3, 5, 7, 9), (1, 1, 7, 9), True),
+        ((4, 3, 5, 6, 9), (4, 1, 5, 1, 9), True),
+    ],
+)
+def test_mask_row_order_walks_every_row_once_with_consistent_maps(monkeypatch, shape, mshape, big):
+    """Rows sharing a mask row run together where its reuse distance is large; whatever the
+    order, launch row r maps every operand (x, y, mask, key_lengths, query index) to the same
+    logical row, and the launch rows cover every logical row once."""
+    import itertools
+
+    if shape[-1] < 64:
+        monkeypatch.setattr(_core, "MASK_REUSE_BYTES", 0)
+    lead = shape[:-1]
+    xs = _core_contiguous(shape)
+    ms = _core_contiguous(mshape)
+    x = _core.Operand(0, "float16", shape, xs)
+    m = _core.Operand(0, "float16", mshape, ms)
+    kl = _core.Operand(0, "int32", (shape[0],), (1,))
+    v, _ = _core.forward_params(x, x, m, kl, True, 1.0, True, True)
+    order = _core._mask_row_order(lead, shape[-1], 2, _core.broadcast_strides("mask", mshape, ms, shape), m)
+    assert (order != tuple(range(len(lead)))) == big
+    mst = _core.broadcast_strides("mask", mshape, ms, shape)
+    rows = 1
+    for n in lead:
+        rows *= n
+    seen = set()
+    sample = range(rows) if rows <= 5000 else itertools.chain(range(3000), range(rows - 3000, rows))
+    for r in sample:
+        ox = _core.map_offset(_fwd_maps(v, "map_x"), r)
+        assert ox % shape[-1] == 0
+        idx, rem = [], ox // shape[-1]
+        for n in reversed(lead):
+            idx.append(rem % n)
+            rem //= n
+        idx.reverse()
+        assert rem == 0 and tuple(idx) not in seen
+        seen.add(tuple(idx))
+        assert _core.map_offset(_fwd_maps(v, "map_y"), r) == ox
+        assert _core.map_offset(_fwd_maps(v, "map_m"), r) == sum(i * s for i, s in zip(idx, mst[:-1]))
+        assert _core.map_offset(_fwd_maps(v, "map_k"), r) == idx[0]
+        assert _core.map_offset(_fwd_maps(v, "map_q"), r) == idx[-1]
+    if rows <= 5000:
+        assert len(seen) == rows
+
+
+def _core_contiguous(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))

@@ -321,6 +321,7 @@ static inline smx_i64 smx_max_chunks(int itemsize) {
 }
 #define SMX_MAX_GRID 2147483647LL
 #define SMX_MAX_SK 2147483647LL  // row length limit (row-internal indices are 32-bit)
+#define SMX_MASK_REUSE_BYTES 67108864LL  // see smx_mask_row_order
 // Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C
 // chunks take the first row with C <= limit, the limits capped at smx_max_chunks (threads per
 // row: C / chunks per thread rounded up to a power of two); longer rows take the looped tier.
@@ -714,10 +715,65 @@ static inline void smx_contiguous_strides(int nd, const smx_i64* shape, smx_i64*
   }
 }
 
+// The order in which a forward walks x's leading dims (perm, outermost first; drvsoftmax/_core.py:
+// _mask_row_order): row-major, but where a mask is broadcast along leading dims and the x and y
+// bytes between two uses of one mask row exceed SMX_MASK_REUSE_BYTES, those dims move innermost
+// (rows sharing a mask row run together, so the mask is read from memory about once).
+static inline void smx_mask_row_order(const SmxFwdDesc* d, const smx_i64* mst, int* perm) {
+  const int nl = d->ndim - 1;
+  int last = -1, k = 0;
+  smx_i64 inner = 1;
+  for (int i = 0; i < nl; ++i) perm[i] = i;
+  if (d->mask_kind == SMX_MASK_NONE) return;
+  for (int i = 0; i < nl; ++i)
+    if (d->shape[i] > 1 && mst[i] == 0) last = i;
+  if (last < 0) return;
+  for (int i = last + 1; i < nl; ++i) inner *= d->shape[i];
+  if (inner * d->shape[nl] * (2 * smx_dtype_size(d->dtype) + smx_mask_itemsize(d->mask_kind)) <= SMX_MASK_REUSE_BYTES)
+    return;
+  for (int i = 0; i < nl; ++i)
+    if (!(d->shape[i] > 1 && mst[i] == 0)) perm[k++] = i;
+  for (int i = 0; i < nl; ++i)
+    if (d->shape[i] > 1 && mst[i] == 0) perm[k++] = i;
+}
+
+// One operand's row map with its leading dims taken in the order perm.
+static inline int smx_row_map_perm(SmxRowMap* m, int n, const smx_i64* lead, const smx_i64* strides, const int* perm,
+                                   int small) {
+  smx_i64 lp[SMX_MAX_NDIM] = {0}, sp[SMX_MAX_NDIM] = {0};
+  if (n < 0 || n > SMX_MAX_NDIM) return SMX_ERR_ARG;
+  for (int i = 0; i < n; ++i) {
+    lp[i] = lead[perm[i]];
+    sp[i] = strides[perm[i]];
+  }
+  return smx_row_map(m, n, lp, sp, small);
+}
+
+// Every row map of a forward (x, y, and the mask, key_lengths and query index if used).
+static inline int smx_fwd_maps(const SmxFwdDesc* d, SmxFwdParams* p, const smx_i64* mst, const int* perm, int small) {
+  const int nd = d->ndim, nl = nd - 1;
+  smx_i64 ks[SMX_MAX_NDIM];
+  int err;
+  if ((err = smx_row_map_perm(&p->map_x, nl, d->shape, d->x_strides, perm, small))) return err;
+  if ((err = smx_row_map_perm(&p->map_y, nl, d->shape, d->y_strides, perm, small))) return err;
+  if (d->mask_kind != SMX_MASK_NONE && (err = smx_row_map_perm(&p->map_m, nl, d->shape, mst, perm, small))) return err;
+  for (int i = 0; i < nd; ++i) ks[i] = 0;
+  if (d->klen_bytes) {
+    ks[0] = d->klen_stride;
+    if ((err = smx_row_map_perm(&p->map_k, nl, d->shape, ks, perm, small))) return err;
+    ks[0] = 0;
+  }
+  if (d->causal) {
+    ks[nd - 2] = 1;  // the query index is the last leading dim
+    if ((err = smx_row_map_perm(&p->map_q, nl, d->shape, ks, perm, small))) return err;
+  }
+  return 0;
+}
+
 static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaunch* l) {
   const int nd = d->ndim;
   const int nl = nd - 1;
-  smx_i64 rows = 1, zeros[SMX_MAX_NDIM], mst[SMX_MAX_NDIM];
+  smx_i64 rows = 1, mst[SMX_MAX_NDIM];
   int err, flags = 0, small, mask_whole = 1;
   memset(p, 0, sizeof(*p));
   memset(l, 0, sizeof(*l));
@@ -727,7 +783,6 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
   if (d->klen_bytes != 0 && d->klen_bytes != 4 && d->klen_bytes != 8) return SMX_ERR_ARG;
   if (d->mask_kind != SMX_MASK_NONE && (d->mask_ndim < 0 || d->mask_ndim > SMX_MAX_NDIM)) return SMX_ERR_ARG;
   for (int i = 0; i < nl; ++i) rows *= d->shape[i];
-  for (int i = 0; i < nd; ++i) zeros[i] = 0;
   small = rows < ((smx_i64)1 << 31);
   if (small) flags |= SMX_F_SMALL;
   p->rows = rows;
@@ -736,15 +791,29 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
   p->sy = d->y_strides[nd - 1];
   p->scale = d->scale;
   p->span_x = smx_span(nd, d->shape, d->x_strides);
-  if ((err = smx_row_map(&p->map_x, nl, d->shape, d->x_strides, small))) return err;
-  if ((err = smx_row_map(&p->map_y, nl, d->shape, d->y_strides, small))) return err;
-  if (smx_same_map(&p->map_x, &p->map_y)) flags |= SMX_F_SAMEMAP;
   if (d->mask_kind != SMX_MASK_NONE) {
     err = smx_broadcast_strides(nd, d->shape, d->mask_ndim, d->mask_shape, d->mask_strides, mst);
     if (err) return err;
+  }
+  {  // the row maps, rows in launch order (smx_mask_row_order); in row-major order if that
+     // order needs too many terms
+    int perm[SMX_MAX_NDIM];
+    smx_mask_row_order(d, mst, perm);
+    err = smx_fwd_maps(d, p, mst, perm, small);
+    if (err == SMX_ERR_LAYOUT) {
+      int natural = 1;
+      for (int i = 0; i < nl; ++i) natural = natural && perm[i] == i;
+      if (!natural) {
+        for (int i = 0; i < nl; ++i) perm[i] = i;
+        err = smx_fwd_maps(d, p, mst, perm, small);
+      }
+    }
+    if (err) return err;
+  }
+  if (smx_same_map(&p->map_x, &p->map_y)) flags |= SMX_F_SAMEMAP;
+  if (d->mask_kind != SMX_MASK_NONE) {
     p->sm = mst[nd - 1];
     p->span_m = smx_span(d->mask_ndim, d->mask_shape, d->mask_strides);
-    if ((err = smx_row_map(&p->map_m, nl, d->shape, mst, small))) return err;
     if (mst[nd - 1] == 1) flags |= SMX_F_MVEC;
     {  // whole-chunk kernels read a mask chunk (the keys of one chunk of x) with one access
       const int mbytes = smx_mask_itemsize(d->mask_kind);
@@ -755,18 +824,8 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
         if (d->shape[i] != 1 && (mst[i] * mbytes) % width != 0) mask_whole = 0;
     }
   }
-  if (d->klen_bytes) {
-    smx_i64 ks[SMX_MAX_NDIM];
-    for (int i = 0; i < nd; ++i) ks[i] = 0;
-    ks[0] = d->klen_stride;
-    if ((err = smx_row_map(&p->map_k, nl, d->shape, ks, small))) return err;
-    flags |= SMX_F_KLEN | (d->klen_bytes == 8 ? SMX_F_KLEN64 : 0);
-  }
+  if (d->klen_bytes) flags |= SMX_F_KLEN | (d->klen_bytes == 8 ? SMX_F_KLEN64 : 0);
   if (d->causal) {
-    zeros[nd - 2] = 1;  // the query index is the last leading dim
-    err = smx_row_map(&p->map_q, nl, d->shape, zeros, small);
-    zeros[nd - 2] = 0;
-    if (err) return err;
     p->causal_shift = d->shape[nd - 1] - d->shape[nd - 2];
     flags |= SMX_F_CAUSAL;
   }
