@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import _args, _intake, raw
+from . import _args, _core, _driver, _intake, raw
 from ._core import Operand
 from ._errors import arg_type_error, arg_value_error
 from ._intake import Item
@@ -50,7 +50,76 @@ def _same_device(name: str, it: Item, dev: int, like: str = "x") -> None:
         raise arg_value_error(name, f"on {like}'s device {dev}", f"device {it.device}")
 
 
+class _Fast:
+    """A CuPy layout whose checks passed: the call's library, normalised scale and causal,
+    device, and prepared launches by x's 16-byte alignment (y is a new allocation)."""
+
+    __slots__ = ("cp", "dev", "preps")
+
+    def __init__(self, cp: Any, dev: Any) -> None:
+        self.cp, self.dev = cp, dev
+        self.preps: dict[bool, Any] = {}
+
+
+_fast: dict[tuple[Any, ...], _Fast] = {}
+
+
+def _fast_key(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Any:
+    """The fast path's key of a plain CuPy call (x alone, y allocated, CuPy's current stream),
+    or None for any other call."""
+    if (
+        type(x) is not _intake._cupy_nd  # (cupy.ndarray once CuPy is imported and an array was seen)
+        or mask is not None
+        or key_lengths is not None
+        or out is not None
+        or stream is not None
+        or type(scale) not in (float, int)
+        or type(causal) is not bool
+    ):
+        return None
+    return (x.shape, x.strides, x.dtype, scale, causal, x.data.device_id)
+
+
 def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Any:
+    # A repeated plain CuPy call of a layout already checked: allocate y and launch.  The
+    # checks depend on nothing else (shape, strides, dtype, scale, causal, device), and a
+    # new y overlaps nothing; CuPy keeps its device's primary context current.
+    key = _fast_key(x, mask, scale, causal, key_lengths, out, stream)
+    if key is not None:
+        ent = _fast.get(key)
+        if ent is not None:
+            cp = ent.cp
+            xp = x.data.ptr
+            prep = ent.preps.get(not (xp & 15))
+            if prep is not None and cp.cuda.runtime.getDevice() == key[5]:
+                y = cp.ndarray(key[0], key[2])
+                _core.launch(prep, xp, y.data.ptr, 0, 0, cp.cuda.get_current_stream().ptr, True)
+                return y
+    r = _forward(x, mask, scale, causal, key_lengths, out, stream)
+    if key is not None and 0 not in key[0]:
+        _remember_fast(key, x, r, scale, causal)
+    return r
+
+
+def _remember_fast(key: tuple[Any, ...], x: Any, y: Any, scale: Any, causal: Any) -> None:
+    """After a plain CuPy call succeeded: its layout's fast-path entry."""
+    cp = sys.modules["cupy"]
+    if len(_fast) > 1024:
+        _fast.clear()
+    ent = _fast.get(key)
+    dev_id = key[5]
+    if ent is None:
+        ent = _fast[key] = _Fast(cp, _driver.device(dev_id))
+    sc, cz = _args.check_forward_call(_read_cupy_op(x), None, None, None, scale, causal)
+    yo = _read_cupy_op(y)
+    ent.preps[not (x.data.ptr & 15)] = _core.prepared_forward(ent.dev, _read_cupy_op(x), yo, None, None, cz, sc)
+
+
+def _read_cupy_op(a: Any) -> Operand:
+    return _intake.read(a, "x", 0, 0).op
+
+
+def _forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Any:
     items: list[Item] = []
     try:
         xi, s, cur = _read_first(x, "x", stream)

@@ -567,6 +567,14 @@ def forward(
     ctx_ok: bool | None = None,
 ) -> None:
     """Launch y = softmax(x * scale + mask) on `stream` of device `dev` (a _driver.Device)."""
+    prep = prepared_forward(dev, x, y, mask, klen, causal, scale)
+    launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
+
+
+def prepared_forward(
+    dev: Device, x: Operand, y: Operand, mask: Operand | None, klen: Operand | None, causal: bool, scale: float
+) -> Prepared:
+    """The (cached) prepared launch of a forward of this layout and these pointers' alignment."""
     aligned = not ((x.ptr | y.ptr) & 15)
     mask_aligned = mask is None or not (mask.ptr & 15)
     key = (
@@ -586,7 +594,7 @@ def forward(
     if prep is None:
         check_forward(x, y, mask, klen, causal)
         prep = _remember(key, prepare_forward(dev, x, y, mask, klen, causal, scale, aligned, mask_aligned))
-    launch(prep, x.ptr, y.ptr, mask.ptr if mask is not None else 0, klen.ptr if klen is not None else 0, stream, ctx_ok)
+    return prep
 
 
 def backward(

@@ -105,8 +105,11 @@ _live_lock = threading.Lock()
 
 def _free(addr: int) -> None:
     """The deleter: JAX no longer needs the result (and every use of it finished)."""
-    with _live_lock:
-        rec = _live.pop(addr, None)
+    lock, live = _live_lock, _live
+    if lock is None or live is None:  # (at interpreter exit, after this module's teardown: the process frees it)
+        return
+    with lock:
+        rec = live.pop(addr, None)
     if rec is None:
         return
     _, release, keep = rec

@@ -10,10 +10,12 @@ on memory from cuMemAlloc, and the examples.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -702,3 +704,149 @@ def test_examples_run(example, needs):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "max |y - ref|" in r.stdout
+
+
+# ----------------------------------------------------------------------------------
+# The CuPy door's fast path: a repeated plain call of a checked layout (a fake CuPy here).
+
+
+class _FakeCupyArray:
+    """What the CuPy door reads of a cupy.ndarray."""
+
+    _next = [1 << 32]
+
+    def __init__(self, shape, dtype, ptr=None, strides=None, dev=0):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        if strides is None:
+            strides, acc = [], self.itemsize
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= n
+        self.strides = tuple(strides)
+        if ptr is None:
+            ptr = self._next[0]
+            self._next[0] += 1 << 20
+        self.data = SimpleNamespace(ptr=ptr, device_id=dev)
+        self.device = SimpleNamespace(id=dev)
+
+
+_FakeCupyArray.__module__ = "cupy._core.core"
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    from types import ModuleType
+
+    from drvsoftmax import _arrays
+
+    state = SimpleNamespace(device=0, stream=0x5000, general=[], fast=[], prepared=[])
+    cp = ModuleType("cupy")
+    cp.ndarray = _FakeCupyArray
+    cp.empty = lambda shape, dtype=None: _FakeCupyArray(shape, dtype, dev=state.device)
+    cp.cuda = SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: state.device),
+        get_current_stream=lambda: SimpleNamespace(ptr=state.stream),
+        Device=lambda d: contextlib.nullcontext(),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(_intake, "_cupy_nd", _FakeCupyArray)
+    monkeypatch.setattr(_intake, "_kind_of_type", {})
+    monkeypatch.setattr(_arrays, "_fast", {})
+    monkeypatch.setattr(raw, "run_forward", lambda *a: state.general.append(a))
+    monkeypatch.setattr(_intake, "wait", lambda p, c, dev: None)
+    monkeypatch.setattr(_arrays._driver, "device", lambda d: SimpleNamespace(ordinal=d))
+
+    def prepared(dev, x, y, mask, klen, causal, scale):
+        state.prepared.append((dev.ordinal, x.dtype, x.shape, x.strides, not ((x.ptr | y.ptr) & 15), causal, scale))
+        return ("prep", len(state.prepared) - 1)
+
+    monkeypatch.setattr(_core, "prepared_forward", prepared)
+    monkeypatch.setattr(_core, "launch", lambda *a: state.fast.append(a))
+    return state
+
+
+def test_cupy_fast_path_launches_a_checked_layout_and_nothing_else(fake_cupy):
+    st = fake_cupy
+    x = _FakeCupyArray((2, 3, 8), "float16")
+    y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)  # the first call runs every check (and learns the layout)
+    assert isinstance(y, _FakeCupyArray) and y.shape == x.shape and y.dtype == x.dtype
+    assert len(st.general) == 1 and not st.fast
+    assert st.prepared[-1] == (0, "float16", (2, 3, 8), (24, 8, 1), True, False, 0.5)
+    y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+    assert len(st.general) == 1 and len(st.fast) == 1
+    prep, xp, yp, mp, kp, stream, ctx_ok = st.fast[0]
+    assert (prep, xp, yp, mp, kp, stream, ctx_ok) == (
+        ("prep", len(st.prepared) - 1),
+        x.data.ptr,
+        y.data.ptr,
+        0,
+        0,
+        st.stream,
+        True,
+    )
+    assert isinstance(y, _FakeCupyArray) and y.shape == x.shape and y.dtype == x.dtype
+    st.stream = 0x6000  # CuPy's current stream at the time of the call
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+    assert st.fast[-1][5] == 0x6000
+    # Anything else takes the checked path: another scale, causal, a misaligned x (once),
+    # another current device, a stream, out=, a mask.
+    n = len(st.general)
+    drvsoftmax.scaled_masked_softmax(x, scale=0.25)
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5, causal=True)
+    drvsoftmax.scaled_masked_softmax(_FakeCupyArray((2, 3, 8), "float16", ptr=x.data.ptr + 2), scale=0.5)
+    st.device = 1
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+    st.device = 0
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5, stream=0x7000)
+    drvsoftmax.scaled_masked_softmax(x, scale=0.5, out=_FakeCupyArray((2, 3, 8), "float16"))
+    drvsoftmax.scaled_masked_softmax(x, _FakeCupyArray((2, 1, 8), "bool"), scale=0.5)
+    assert len(st.general) == n + 7
+    # A misaligned x learnt once is fast from then on, under its own prepared launch.
+    xm = _FakeCupyArray((2, 3, 8), "float16", ptr=x.data.ptr + 2)
+    drvsoftmax.scaled_masked_softmax(xm, scale=0.5)
+    assert len(st.general) == n + 7 and st.fast[-1][1] == xm.data.ptr
+    assert st.prepared[st.fast[-1][0][1]][4] is False
+
+
+def test_cupy_fast_path_never_skips_a_failing_check(fake_cupy):
+    st = fake_cupy
+    for bad, exc in (
+        (_FakeCupyArray((2, 3, 8), "float64"), TypeError),
+        (_FakeCupyArray((2, 3, 8), "float16", strides=(48, 16, 3)), ValueError),
+    ):
+        for _ in range(3):
+            with pytest.raises(exc):
+                drvsoftmax.scaled_masked_softmax(bad, scale=0.5)
+    x = _FakeCupyArray((2, 3, 8), "float16")
+    for _ in range(3):
+        with pytest.raises(ValueError, match="scale"):
+            drvsoftmax.scaled_masked_softmax(x, scale=float("nan"))
+    assert not st.fast and not st.general
+
+
+@requires_cuda
+def test_cupy_repeated_calls_on_the_fast_path_stay_right():
+    """Calls 2.. of a layout skip the checks: results stay right for contiguous, strided and
+    misaligned views, across scales, causal, and CuPy's null and non-blocking streams."""
+    cp = pytest.importorskip("cupy")
+    from drvsoftmax import _arrays
+
+    flat = cp.asarray(_gen.standard_normal(3 * 5 * 48 + 1).astype(np.float16) * 3)
+    views = {
+        "contiguous": flat[: 3 * 5 * 40].reshape(3, 5, 40),
+        "strided rows": flat[: 3 * 5 * 48].reshape(3, 5, 48)[..., :40],
+        "misaligned": flat[1 : 1 + 3 * 5 * 40].reshape(3, 5, 40),
+    }
+    streams = [cp.cuda.Stream.null, cp.cuda.Stream(non_blocking=True)]
+    for name, x in views.items():
+        xh = cp.asnumpy(x)
+        for scale, causal in ((0.5, False), (0.5, False), (0.5, False), (1.5, True), (1.5, True), (0.5, False)):
+            for s in streams:
+                with s:
+                    y = drvsoftmax.scaled_masked_softmax(x, scale=scale, causal=causal)
+                    s.synchronize()
+                ref = _reference.softmax_forward(xh, None, scale, causal, None)
+                assert_matches(cp.asnumpy(y), ref, "float16", f"{name} scale={scale} causal={causal}")
+        key = (x.shape, x.strides, x.dtype, 0.5, False, x.data.device_id)
+        assert key in _arrays._fast and _arrays._fast[key].preps, f"{name}: the fast path was never taken"
