@@ -122,15 +122,29 @@ def _cuda_release(ptr: int, stream: int, ctx: Any) -> Callable[[], None]:
     """Frees `ptr` with cuMemFreeAsync on `stream`, in the context `ctx` (any thread)."""
 
     def release() -> None:
-        from cuda.bindings import driver
-
-        check(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        drv = _drv or _load_driver()
+        cur = drv.cuCtxGetCurrent()[1]
+        if cur == ctx:  # (the common case: JAX releases on the calling thread, our context current)
+            check(drv.cuMemFreeAsync(ptr, _core._stream_obj(stream)), "cuMemFreeAsync")
+            return
+        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
         try:
-            check(driver.cuMemFreeAsync(ptr, driver.CUstream(stream)), "cuMemFreeAsync")
+            check(drv.cuMemFreeAsync(ptr, _core._stream_obj(stream)), "cuMemFreeAsync")
         finally:
-            driver.cuCtxPopCurrent()
+            drv.cuCtxPopCurrent()
 
     return release
+
+
+_drv: Any = None  # the cuda.bindings driver module, once imported
+
+
+def _load_driver() -> Any:
+    global _drv
+    from cuda.bindings import driver
+
+    _drv = driver
+    return driver
 
 
 _deleter = _DELETER_T(_free)  # (kept alive here for as long as the module lives)
@@ -139,12 +153,21 @@ _DELETER = ctypes.cast(_deleter, ctypes.c_void_p).value or 0
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Element strides of a dense row-major array (the layout of JAX's arrays)."""
-    out = []
-    acc = 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
+    st = _row_majors.get(shape)
+    if st is None:
+        out = []
+        acc = 1
+        for n in reversed(shape):
+            out.append(acc)
+            acc *= max(n, 1)
+        st = tuple(reversed(out))
+        if len(_row_majors) > 1024:
+            _row_majors.clear()
+        _row_majors[shape] = st
+    return st
+
+
+_row_majors: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def _result(
@@ -265,24 +288,26 @@ class _Context:
     on the calling thread: then it is made current and stays (as CuPy and PyTorch leave theirs);
     another context that is current is restored afterwards."""
 
-    def __init__(self, dev: _driver.Device) -> None:
-        from cuda.bindings import driver
+    __slots__ = ("ctx", "pushed")
 
-        self.drv, self.ctx = driver, dev.ctx
+    def __init__(self, dev: _driver.Device) -> None:
+        self.ctx = dev.ctx
         self.pushed = False
 
     def __enter__(self) -> None:
-        drv = self.drv
+        drv = _drv or _load_driver()
         cur = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if cur == self.ctx:
+            return
         if cur is None or int(cur) == 0:
             check(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        elif cur != self.ctx:
+        else:
             check(drv.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
             self.pushed = True
 
     def __exit__(self, *exc: object) -> None:
         if self.pushed:
-            check(self.drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+            check(_drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _stream_for(jdev: Any, stream: object) -> int:
