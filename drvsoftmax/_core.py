@@ -315,11 +315,13 @@ def forward_params(
 CHUNK_ELEMS = {2: 8, 4: 4}
 
 # Rows that share a mask row (a mask broadcast over heads) run one after the other when the
-# x and y bytes between two uses of one mask row in row-major order exceed this: then the
-# mask is read from DRAM about once rather than once per head (L2 holds 50 MB on an H200;
-# measured there: additive fp16 mask [2,1,4096,4096] on x [2,32,4096,4096] from 70% to 86%
-# of copy; at distances of 50 MB and below the order made no gain).
-MASK_REUSE_BYTES = 64 << 20
+# x, y and mask bytes between two uses of one mask row in row-major order exceed this: then
+# the mask is read from DRAM about once rather than once per head (L2 holds 50 MB on an
+# H200).  Measured there, mask [B,1,Sq,Sk] on x [B,H,Sq,Sk], % of copy row-major -> heads
+# innermost: additive fp32 at Sk 2048 (48 MiB apart) 71 -> 89, at 4096 (192 MiB) 70 -> 88;
+# additive fp16 at 4096 (96 MiB) 70 -> 86, at 16384 (48 MiB) 71 -> 76; bool fp32 at 4096
+# (144 MiB) 89 -> 92; at 20-24 MiB apart (Sk 2048 fp16) heads innermost lost 1%.
+MASK_REUSE_BYTES = 32 << 20
 
 
 def _row_maps(
