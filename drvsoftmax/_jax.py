@@ -408,7 +408,82 @@ def _lengths(key_lengths: Any, x_shape: tuple[int, ...], jdev: Any) -> Any:
     return key_lengths
 
 
+class _Fast:
+    """A layout of plain GPU calls whose checks passed: what a repeated call needs."""
+
+    __slots__ = ("jdev", "dev", "stream", "shape", "dtype", "preps")
+
+    def __init__(self, jdev: Any, dev: Any, stream: int, shape: tuple[int, ...], dtype: str) -> None:
+        self.jdev, self.dev, self.stream, self.shape, self.dtype = jdev, dev, stream, shape, dtype
+        self.preps: dict[bool, Any] = {}
+
+
+_fast: dict[tuple[Any, ...], _Fast] = {}
+
+
 def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Any:
+    # A repeated plain call (x alone, JAX's stream) of a layout whose checks passed: export x,
+    # allocate, launch, hand the result over.  The checks depend on nothing else (x's type,
+    # shape, dtype and device, scale, causal); our context must already be current.
+    key = None
+    if (
+        mask is None
+        and key_lengths is None
+        and out is None
+        and stream is None
+        and type(scale) in (float, int)
+        and type(causal) is bool
+    ):
+        devs = x.devices()
+        if len(devs) == 1:
+            key = (type(x), x.shape, x.dtype, scale, causal, *devs)
+            ent = _fast.get(key)
+            if ent is not None:
+                y = _fast_forward(x, ent)
+                if y is not None:
+                    return y
+    y = _forward(x, mask, scale, causal, key_lengths, out, stream)
+    if key is not None and key[-1].platform in ("gpu", "cuda") and 0 not in key[1]:
+        _remember_fast(key, x, scale, causal)
+    return y
+
+
+def _fast_forward(x: Any, ent: _Fast) -> Any:
+    drv = _drv or _load_driver()
+    dev = ent.dev
+    if drv.cuCtxGetCurrent()[1] != dev.ctx:
+        return None
+    s = ent.stream
+    keep = _export(x, s)
+    xp = int(x.unsafe_buffer_pointer())
+    prep = ent.preps.get(not (xp & 15))
+    if prep is None:
+        return None
+    yp = _alloc(ent.shape, ent.dtype, s, dev.ordinal)
+    try:
+        _core.launch(prep, xp, yp, 0, 0, s, True)
+    except BaseException:
+        _free_now(yp, s)
+        raise
+    return _result(ent.jdev, yp, ent.shape, ent.dtype, s, _cuda_release(yp, s, dev.ctx), (keep,))
+
+
+def _remember_fast(key: tuple[Any, ...], x: Any, scale: Any, causal: Any) -> None:
+    """After a plain GPU call succeeded: its layout's fast-path entry."""
+    jdev = key[-1]
+    shape, dt = tuple(x.shape), _dtname(x)
+    ent = _fast.get(key)
+    if ent is None:
+        if len(_fast) > 1024:
+            _fast.clear()
+        ent = _fast[key] = _Fast(jdev, _driver.device(jdev.local_hardware_id), _jax_stream(jdev), shape, dt)
+    xo = _operand(x, dt)
+    ent.preps[not (xo.ptr & 15)] = _core.prepared_forward(
+        ent.dev, xo, xo._replace(ptr=0), None, None, _args.check_causal(causal), _args.check_scale(scale)
+    )
+
+
+def _forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: Any, stream: object) -> Any:
     _refuse_traced("x", x)
     scale = _args.check_scale(scale)
     causal = _args.check_causal(causal)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -427,7 +428,38 @@ def fake_gpu(monkeypatch, fake_tracer):
         return "Y"
 
     monkeypatch.setattr(_jax, "_result", result)
+    monkeypatch.setattr(_jax, "_fast", {})
+    monkeypatch.setattr(
+        _core, "prepared_forward", lambda dev, x, y, m, k, c, sc: calls.append(("prepared", x, c, sc)) or "PREP"
+    )
+    monkeypatch.setattr(_core, "launch", lambda *a: calls.append(("launch", *a)))
+    # our context is current (the fast path's condition)
+    monkeypatch.setattr(_jax, "_drv", SimpleNamespace(cuCtxGetCurrent=lambda: (0, "ctx0")))
     return calls
+
+
+def test_gpu_repeated_plain_calls_take_the_fast_path(fake_gpu):
+    """After a plain call of a layout succeeded, the next one exports x, allocates, launches
+    the prepared kernel and hands the result back, without the checks; anything else (a
+    mask, another scale, causal, a stream) takes the checked path."""
+    x = _FakeGpuArray(ptr=0x1000)
+    assert drvsoftmax.scaled_masked_softmax(x, scale=0.5) == "Y"
+    assert [c[0] for c in fake_gpu] == ["export", "enter", "alloc", "forward", "result", "exit", "prepared"]
+    _, xo, causal, scale = fake_gpu[-1]
+    assert (xo.ptr, xo.shape, xo.strides, causal, scale) == (0x1000, (2, 3, 4, 8), (96, 32, 8, 1), False, 0.5)
+    del fake_gpu[:]
+    x2 = _FakeGpuArray(ptr=0x4000)
+    assert drvsoftmax.scaled_masked_softmax(x2, scale=0.5) == "Y"
+    assert [c[0] for c in fake_gpu] == ["export", "alloc", "launch", "result"], fake_gpu
+    assert fake_gpu[2][1:] == ("PREP", 0x4000, 0x9000, 0, 0, 0x7F00, True)
+    assert fake_gpu[3][1:] == (0x9000, (2, 3, 4, 8), "float16", 0x7F00, (("capsule", 0x4000),))
+    for kw in (dict(scale=0.25), dict(scale=0.5, causal=True), dict(scale=0.5, stream=0x5500)):
+        del fake_gpu[:]
+        drvsoftmax.scaled_masked_softmax(x2, **kw)
+        assert "forward" in [c[0] for c in fake_gpu], kw
+    del fake_gpu[:]
+    drvsoftmax.scaled_masked_softmax(x2, _FakeGpuArray((2, 1, 4, 8), "bool", ptr=0x2000), scale=0.5)
+    assert "forward" in [c[0] for c in fake_gpu]
 
 
 def test_gpu_glue_orders_exports_alloc_launch_and_hand_back(fake_gpu):
