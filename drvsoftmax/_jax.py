@@ -425,6 +425,7 @@ def forward(x: Any, mask: Any, scale: Any, causal: Any, key_lengths: Any, out: A
     # A repeated plain call (x alone, JAX's stream) of a layout whose checks passed: export x,
     # allocate, launch, hand the result over.  The checks depend on nothing else (x's type,
     # shape, dtype and device, scale, causal); our context must already be current.
+    _refuse_traced("x", x)
     key = None
     if (
         mask is None
