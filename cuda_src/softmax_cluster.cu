@@ -39,7 +39,8 @@
 // or never needs: in place is safe), a grid barrier, every warp reads the G pairs of its
 // row and merges them in the same order, a second grid barrier (no block overwrites a pair
 // before all have read it), then STORE.  The planner gives every block at least one chunk
-// of the row (at least 16 bytes: room for the pair).
+// of the row (at least 16 bytes: room for the pair).  With G = 1 (a row per block) there
+// is nothing to exchange: no barrier at all.
 //
 // Compiled after softmax_fwd.cu and softmax_bwd.cu (the kernel set's main source includes
 // the three in that order): it uses their row, LOAD, VALUES and STORE steps.
@@ -259,6 +260,12 @@ struct SmxCoopX {
                                         bool act) const {
     enum { N = Chunk<T>::N };
     const int g = (int)gridDim.x;
+    if (g == 1) {  // a row per block: nothing to exchange, no barrier
+      __syncthreads();
+      m = pair[0];
+      s = pair[1];
+      return;  // (thread 0 writes `pair` again only after a later __syncthreads)
+    }
     if (act && threadIdx.x == 0) smx_pair_put<T>(out, st, max(0, (int)blockIdx.x * cpb * N - ofs), pair[0], pair[1]);
     smx_grid_sync();
     m = SUM ? 0.0f : -SMX_INF;

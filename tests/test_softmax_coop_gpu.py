@@ -142,7 +142,7 @@ def _planned(dtype: str, sk: int, backward: bool) -> _plan.LaunchPlan:
     return _plan.plan_forward(2, sk, dtype, "none", True, True, _caps())
 
 
-def _boundary_sks(dtype: str, backward: bool, top: int = 2**21) -> list[tuple[int, _plan.LaunchPlan]]:
+def _boundary_sks(dtype: str, backward: bool, top: int = 2**18) -> list[tuple[int, _plan.LaunchPlan]]:
     """Row lengths (up to `top`) around every change of launch shape of the coop tier on
     this device (blocks per row, chunks per thread, register variant; the register tier
     before it), each with the plan it gets: just below, at and one past each change."""
@@ -180,13 +180,13 @@ def _boundary_sks(dtype: str, backward: bool, top: int = 2**21) -> list[tuple[in
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_forward_around_every_block_count_boundary(dtype):
     """Rows just below, at and beyond each change of blocks per row, chunks per thread or
-    register variant, odd lengths among them."""
+    register variant up to 2^18 keys, odd lengths among them; then a few longer rows."""
     cases = _boundary_sks(dtype, False)
     assert len({p.coop for _, p in cases}) >= 3, [(sk, p.kernel, p.coop) for sk, p in cases]
     for sk, p in cases:
         x = _rand((2, sk), DTYPES[dtype])
         _check_forward(x, scale=0.37, what=f"{dtype} Sk={sk} ({p.kernel}, {p.coop} x {p.nch})", any_tier=True)
-    for sk in (16385, 16393, 20001, 40000, 65537, 99999):
+    for sk in (16385, 16393, 20001, 40000, 65537, 99999, 524289, 2**20 + 3):
         x = _rand((3, sk), DTYPES[dtype])
         _check_forward(x, scale=-0.6, what=f"{dtype} Sk={sk}")
 
