@@ -29,14 +29,21 @@ ITEM = {"float16": 2, "bfloat16": 2, "float32": 4}
 _gen = np.random.default_rng(20261201)
 
 
+def _forget():
+    import drvsoftmax.torch as dtorch
+
+    _core._cache.clear()
+    dtorch._forget_launches()  # the torch door's own prepared launches
+
+
 @pytest.fixture(autouse=True)
 def _force_coop(monkeypatch):
     """Plan the coop tier where the cluster tier would run; prepared launches of other
     tests (and of the other setting) are forgotten before and after."""
     monkeypatch.setattr(_plan, "FORCE_COOP", True)
-    _core._cache.clear()
+    _forget()
     yield
-    _core._cache.clear()
+    _forget()
 
 
 def _dev() -> _driver.Device:
@@ -368,6 +375,7 @@ def test_fp32_rows_of_1m_keys_take_the_coop_tier_on_sm_90(monkeypatch):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs sm_90+ (on older GPUs every long row plans the coop tier anyway)")
     monkeypatch.setattr(_plan, "FORCE_COOP", False)
+    _forget()
     sk = 2**20
     assert _plan.plan_forward(3, sk, "float32", "none", True, True, _caps()).tier == "coop"
     assert _plan.plan_backward(3, sk, "float32", True, True, _caps()).tier == "coop"
