@@ -274,3 +274,60 @@ def test_coop_kernels_are_built_for_every_architecture():
             assert text.count(needle) >= 2, (arch, needle)  # in both kernels
         assert "ld.relaxed.gpu" in text and "barrier.cluster" not in text
         assert ("cp.async" in text) == (arch != "compute_75"), arch
+
+
+class _FakeDriver:
+    """The driver calls of a coop launch, recorded; cuLaunchCooperativeKernel answers `coop_err`."""
+
+    def __init__(self, coop_err):
+        self.coop_err = coop_err
+        self.calls = []
+
+    def cuCtxGetCurrent(self):
+        return (0, "ctx")
+
+    def cuLaunchCooperativeKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, params):
+        self.calls.append(("coop", f, gx, gy, gz, bx, smem))
+        return (self.coop_err,)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.calls.append(("plain", f, gx, gy, gz, bx, smem))
+        return (0,)
+
+
+class _LaunchDevice(_FakeDevice):
+    ctx = "ctx"
+
+    def function(self, name):
+        return "F:" + name
+
+
+@pytest.mark.parametrize("coop_err", [0, 720, 1])
+def test_coop_launch_and_its_fallback_when_refused(monkeypatch, coop_err):
+    """A coop launch is one cuLaunchCooperativeKernel of grid (G, groups) with its shared
+    memory; refused as too large (720), it and every later launch of the same prepared
+    launch run the looped tier with the same parameters; other errors raise."""
+    from drvsoftmax._errors import CudaDriverError
+
+    drv = _FakeDriver(coop_err)
+    monkeypatch.setattr(_core, "_drv", drv)
+    monkeypatch.setattr(_core, "_stream_obj", lambda s: s)
+    x = _core.Operand(0, "float32", (5, 2**20), (2**20, 1))
+    prep = _core.prepare_forward(_LaunchDevice(H200, 10**6), x, x, None, None, False, 0.5, True)
+    g, groups = prep.coop
+    kernel, smem = prep.plan.kernel, prep.plan.smem
+    loop = _plan.plan_forward(5, 2**20, "float32", "none", True, True, None)
+    if coop_err == 1:
+        with pytest.raises(CudaDriverError, match="cuLaunchCooperativeKernel"):
+            _core.launch(prep, 1, 2, 0, 0, 7)
+        assert prep.coop == (g, groups)
+        return
+    _core.launch(prep, 1, 2, 0, 0, 7)
+    _core.launch(prep, 1, 2, 0, 0, 7)
+    first = ("coop", "F:" + kernel, g, groups, 1, 256, smem)
+    if coop_err == 0:
+        assert drv.calls == [first, first] and prep.coop == (g, groups)
+    else:
+        plain = ("plain", "F:" + loop.kernel, loop.grid, 1, 1, 256, 0)
+        assert drv.calls == [first, plain, plain]
+        assert prep.coop is None and prep.plan == loop and prep.grid == 5
