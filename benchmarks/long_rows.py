@@ -1,14 +1,17 @@
-"""Long rows: the cluster tier against the looped tier, as % of a device-to-device copy.
+"""Long rows: the planner's tier (cluster or coop) beside the coop and looped tiers, as %
+of a device-to-device copy.
 
     python3 benchmarks/long_rows.py [--reps N]
 
-Needs an sm_90+ GPU and PyTorch with CUDA.  For Sk = 65536, 262144 and 1048576 (16-bit
-and fp32 at 2^28 / 2^27 elements: x `[rows, Sk]`), forward without and with a bool padding
-mask `[1, Sk]`, and backward, it prints the tier each launch takes, the median time of
-the cluster tier (the planner's choice on this device) and of the looped tier (the same
-launch planned for a device without clusters), and each as % of the copy ceiling: GB/s
-over the minimum bytes (x, the mask at its own size and y forward; dy, y and dx backward)
-against a device-to-device copy timed in the same run.  Prints only; writes nothing.
+Needs a CUDA GPU and PyTorch with CUDA.  For Sk = 65536, 262144 and 1048576 (16-bit and
+fp32 at 2^28 / 2^27 elements: x `[rows, Sk]`), forward without and with a bool padding
+mask `[1, Sk]`, and backward, it prints the tier each launch takes on this device and its
+blocks per row (CTAs of a cluster, or co-resident blocks of the coop tier), the median
+time of that planned launch, of the coop tier (forced where the cluster tier would run:
+`_plan.FORCE_COOP`) and of the looped tier (the same launch planned for a device without
+either), and each as % of the copy ceiling: GB/s over the minimum bytes (x, the mask at
+its own size and y forward; dy, y and dx backward) against a device-to-device copy timed
+in the same run.  Prints only; writes nothing.
 """
 
 from __future__ import annotations
@@ -77,16 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = _driver.device(torch.cuda.current_device())
     caps = dev.caps
-    print(f"{dev.name} (sm_{caps.cc}), {caps.smem_per_block} bytes of shared memory per block")
-    if not caps.clusters:
-        print("no thread-block clusters on this device: both columns would be the looped tier", file=sys.stderr)
-        return 2
+    print(f"{dev.name} (sm_{caps.cc}), {caps.smem_per_block} bytes of shared memory per block, {caps.sm_count} SMs")
 
     ceiling = _copy_ceiling(torch, args.reps)
     print(f"copy ceiling: {ceiling:.0f} GB/s\n")
 
-    def use(c: _plan.DeviceCaps) -> None:
+    def use(c: _plan.DeviceCaps, force_coop: bool = False) -> None:
         dev.caps = c
+        _plan.FORCE_COOP = force_coop
         _core._cache.clear()
         dtorch._forget_launches()  # every prepared launch of the torch door, the eager fast path's too
 
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             return entry[0].plan
         return next(iter(_core._cache.values())).plan
 
-    no_clusters = _plan.DeviceCaps(caps.cc, 0)
-    head = f"{'case':<34} {'tier':<8} {'CTAs':>4} {'cluster ms':>10} {'%copy':>6} {'loop ms':>9} {'%copy':>6}"
+    no_clusters = _plan.DeviceCaps(caps.cc, 0)  # no shared memory to hold rows: the looped tier
+    head = (
+        f"{'case':<34} {'tier':<8} {'blks':>4} {'planned ms':>10} {'%copy':>6} {'coop ms':>9} {'%copy':>6} "
+        f"{'loop ms':>9} {'%copy':>6}"
+    )
     print(head)
     print("-" * len(head))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -107,15 +111,20 @@ def main(argv: list[str] | None = None) -> int:
             rows = max(1, total // sk)
             for name, fn, moved in _cases(torch, drvsoftmax, dtype, rows, sk):
                 use(caps)
-                t_cl = _median_ms(torch, fn, args.reps)
+                t_pl = _median_ms(torch, fn, args.reps)
                 plan = last_plan()
+                use(caps, force_coop=True)
+                t_co = _median_ms(torch, fn, args.reps)
+                coop = last_plan()
                 use(no_clusters)
                 t_lp = _median_ms(torch, fn, args.reps)
                 use(caps)
                 label = f"{str(dtype).replace('torch.', '')} [{rows}, {sk}] {name}"
-                pct = [moved / t / 1e6 / ceiling * 100 for t in (t_cl, t_lp)]
+                pct = [moved / t / 1e6 / ceiling * 100 for t in (t_pl, t_co, t_lp)]
+                t_co_s = f"{t_co:>9.3f} {pct[1]:>6.1f}" if coop.tier == "coop" else f"{'-':>9} {'-':>6}"
                 print(
-                    f"{label:<34} {plan.tier:<8} {plan.cluster:>4} {t_cl:>10.3f} {pct[0]:>6.1f} {t_lp:>9.3f} {pct[1]:>6.1f}"
+                    f"{label:<34} {plan.tier:<8} {plan.cluster or plan.coop:>4} {t_pl:>10.3f} {pct[0]:>6.1f} "
+                    f"{t_co_s} {t_lp:>9.3f} {pct[2]:>6.1f}"
                 )
             torch.cuda.empty_cache()
     return 0

@@ -26,14 +26,27 @@
 // The dynamic shared memory size tells the kernel Q: Q * B * (bytes of a chunk of every
 // operand held).  Q is a multiple of SMX_CL_U (chunks a thread handles per step), maybe 0.
 //
-// The bodies exist for sm_90+ only (clusters and distributed shared memory); on older
-// architectures the kernels compile empty and the planner never picks them there.
+// The cluster kernels' bodies exist for sm_90+ only (clusters and distributed shared
+// memory); on older architectures they compile empty and the planner never picks them there.
+//
+// The coop tier (every architecture): the same slice, LOAD, PAIR and STORE, in G ordinary
+// blocks that are all resident at once (a cooperative launch guarantees it or fails).
+// Grid (G, groups): block (rank, g) holds slice `rank` of rows g, g + groups, ... one row
+// per wave; every block runs every wave (blocks of rows past the end take part in the
+// barriers only).  The pairs travel through global memory, in the output itself: after
+// its slice is on chip, each block writes its pair (8 bytes) into the first elements of
+// its slice of the output row (elements it alone reads or writes, whose x it already holds
+// or never needs: in place is safe), a grid barrier, every warp reads the G pairs of its
+// row and merges them in the same order, a second grid barrier (no block overwrites a pair
+// before all have read it), then STORE.  The planner gives every block at least one chunk
+// of the row (at least 16 bytes: room for the pair).  With G = 1 (a row per block) there
+// is nothing to exchange: no barrier at all.
 //
 // Compiled after softmax_fwd.cu and softmax_bwd.cu (the kernel set's main source includes
 // the three in that order): it uses their row, LOAD, VALUES and STORE steps.
 #include "softmax_common.cuh"
 
-#define SMX_CBLOCK 256  // threads of a cluster-tier block (_plan.BLOCK)
+#define SMX_CBLOCK 256  // threads of a cluster- or coop-tier block (_plan.BLOCK)
 
 #define SMX_CL_U 4  // chunks per thread per step of PAIR and STORE
 // The slice is loaded in SMX_CL_PARTS parts, each a commit group of whole steps of U
@@ -42,7 +55,6 @@
 
 extern __shared__ __align__(16) unsigned char smx_cl_dyn[];
 
-#if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ smx_u32 smx_smem_addr(const void* p) {
   smx_u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -53,34 +65,25 @@ __device__ __forceinline__ smx_u32 smx_dyn_smem_size() {
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
   return n;
 }
-__device__ __forceinline__ smx_u32 smx_cluster_rank() {
-  smx_u32 r;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ smx_u32 smx_cluster_size() {
-  smx_u32 r;
-  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-// Cluster barrier: arrive releases this thread's prior writes (shared memory included) to
-// the threads of the cluster that then wait (acquire).  Every thread of every CTA takes
-// part, warps converged (.aligned).
-__device__ __forceinline__ void smx_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void smx_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// Two floats at the shared-memory address of `p` in the CTA `rank` of this cluster.
-__device__ __forceinline__ void smx_ld_cluster2(float& a, float& b, const void* p, smx_u32 rank) {
-  smx_u32 ra;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(smx_smem_addr(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(ra) : "memory");
-}
 // Asynchronous copies global -> shared (sm_80+): 16 bytes (L1 bypassed, L2 prefetch of
-// the 256-byte sector group) or B = 4 / 8 bytes.
+// the 256-byte sector group) or B = 4 / 8 bytes.  Before sm_80 (the coop tier on sm_75)
+// they are plain loads and stores through registers, and commits and waits do nothing.
 __device__ __forceinline__ void smx_cp16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smx_smem_addr(dst)), "l"(src) : "memory");
+#else
+  *(uint4*)dst = smx_ld16(src);
+#endif
 }
 template <int B> __device__ __forceinline__ void smx_cp_small(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smx_smem_addr(dst)), "l"(src), "n"(B) : "memory");
+#else
+  Bytes<B> b;
+  smx_load_bytes<B>(b, src);
+#pragma unroll
+  for (int i = 0; i < B / 4; ++i) ((smx_u32*)dst)[i] = b.w[i];
+#endif
 }
 // B bytes (4 .. 64) from a min(B, 16)-aligned address.
 template <int B> __device__ __forceinline__ void smx_cp_bytes(void* dst, const void* src) {
@@ -92,10 +95,16 @@ template <int B> __device__ __forceinline__ void smx_cp_bytes(void* dst, const v
   }
 }
 __device__ __forceinline__ int smx_part_begin(int g, int steps) { return g * steps / SMX_CL_PARTS; }
-__device__ __forceinline__ void smx_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void smx_cp_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
 // Wait until at most G of this thread's committed groups are still in flight.
 template <int G> __device__ __forceinline__ void smx_cp_wait() {
+#if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;" ::"n"(G) : "memory");
+#endif
 }
 __device__ __forceinline__ void smx_cp_wait_parts_after(int g) {  // part g has landed
   switch (SMX_CL_PARTS - 1 - g) {
@@ -123,50 +132,190 @@ __device__ __forceinline__ float smx_warp_sum(float v) {
   return v;
 }
 
-// The cluster-wide merge of this CTA's pair: `pair` (shared, 2 floats) must hold the CTA's
-// pair, written before the call by one thread.  Returns the row's pair in every thread.
-// Sums (backward) use m = 0 throughout: the merge then adds.
-template <bool SUM>
-__device__ __forceinline__ void smx_cluster_merge(float& m, float& s, const float* pair, smx_u32 cs) {
-  smx_cluster_arrive();
-  smx_cluster_wait();
-  const smx_u32 lane = threadIdx.x & 31;
-  m = SUM ? 0.0f : -SMX_INF;
-  s = 0.0f;
-  if (lane < cs) smx_ld_cluster2(m, s, pair, lane);
-  if (SUM) {
-    s = smx_warp_sum(s);
-  } else {
-    smx_warp_pair_merge(m, s);
-  }
-  smx_cluster_arrive();  // this CTA has read every pair: the others may leave once all have
+// ---------------------------------------------------------------------------------
+// Exchanges: how the blocks of a row share their pairs.  `merge<SUM>(m, s, pair, ...)`
+// takes the block's pair in `pair` (shared, 2 floats, written by thread 0 before the call)
+// and returns the row's pair in every thread; the other arguments place the block's slice
+// in the output row: its base, element stride, the row's `ofs` (as FwdRow::ofs), chunks
+// per block, and whether the row exists.  `finish()` runs when the block is done with the
+// row.  Sums (backward) use m = 0 throughout: the merge then adds.
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ smx_u32 smx_cluster_rank() {
+  smx_u32 r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
 }
+__device__ __forceinline__ smx_u32 smx_cluster_size() {
+  smx_u32 r;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+// Cluster barrier: arrive releases this thread's prior writes (shared memory included) to
+// the threads of the cluster that then wait (acquire).  Every thread of every CTA takes
+// part, warps converged (.aligned).
+__device__ __forceinline__ void smx_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void smx_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// Two floats at the shared-memory address of `p` in the CTA `rank` of this cluster.
+__device__ __forceinline__ void smx_ld_cluster2(float& a, float& b, const void* p, smx_u32 rank) {
+  smx_u32 ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(smx_smem_addr(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(ra) : "memory");
+}
+
+// The cluster's exchange: one cluster barrier, every warp reads all CS pairs through
+// distributed shared memory; a CTA may not leave while another may still read its pair
+// (the second barrier is arrived at after the reads, waited on in finish()).
+struct SmxClusterX {
+  smx_u32 cs;
+  template <bool SUM, typename T>
+  __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T*, smx_i64, int, int, bool) const {
+    smx_cluster_arrive();
+    smx_cluster_wait();
+    const smx_u32 lane = threadIdx.x & 31;
+    m = SUM ? 0.0f : -SMX_INF;
+    s = 0.0f;
+    if (lane < cs) smx_ld_cluster2(m, s, pair, lane);
+    if (SUM) {
+      s = smx_warp_sum(s);
+    } else {
+      smx_warp_pair_merge(m, s);
+    }
+    smx_cluster_arrive();  // this CTA has read every pair: the others may leave once all have
+  }
+  __device__ __forceinline__ void finish() const { smx_cluster_wait(); }
+};
 #endif
 
-template <typename T, class M, int R>
-__global__ void __launch_bounds__(SMX_CBLOCK, 2)
-smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
-                const void* __restrict__ klen, const SmxFwdParams p) {
-#if __CUDA_ARCH__ >= 900
+// The coop tier's grid barrier, on the workspace the driver gives every cooperative
+// launch: {u32 size; u32 barrier;} at the address held in %envreg1 (high 32 bits) and
+// %envreg2 (low 32 bits).  Thread 0 of each block arrives once, after the block's
+// __syncthreads: a gpu-scope fence (releasing what the block wrote before, through the
+// barrier's cumulativity) and one atomic add.  Block (0, 0) adds 2^31 - (n - 1), the
+// others 1: once all n have arrived the word has grown by exactly 2^31, its top bit
+// flipped and its low bits as before.  Each arriving thread polls with acquire loads until
+// the top bit differs from the one its add saw, then the block's __syncthreads passes that
+// on to its other threads.
+__device__ __forceinline__ smx_u32* smx_grid_barrier_word() {
+  smx_u32 lo, hi;
+  asm volatile("mov.u32 %0, %%envreg2;" : "=r"(lo));
+  asm volatile("mov.u32 %0, %%envreg1;" : "=r"(hi));
+  return (smx_u32*)(((smx_u64)hi << 32) | lo) + 1;
+}
+__device__ __forceinline__ void smx_grid_sync() {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    smx_u32* word = smx_grid_barrier_word();
+    const smx_u32 n = gridDim.x * gridDim.y;
+    const smx_u32 add = (blockIdx.x | blockIdx.y) == 0 ? 0x80000000u - (n - 1u) : 1u;
+    smx_u32 seen, now;
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(word), "r"(add) : "memory");
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
+    } while (((now ^ seen) & 0x80000000u) == 0u);
+  }
+  __syncthreads();
+}
+// Elements of the output that hold one pair: 8 bytes.
+template <int B> __device__ __forceinline__ smx_u32 smx_ld_relaxed(const void* p) {
+  if (B == 4) {
+    smx_u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
+  unsigned short h;
+  asm volatile("ld.relaxed.gpu.global.u16 %0, [%1];" : "=h"(h) : "l"(p) : "memory");
+  return h;
+}
+template <typename T>
+__device__ __forceinline__ void smx_pair_put(T* row, smx_i64 st, int j, float m, float s) {
+  const smx_u32 w[2] = {__float_as_uint(m), __float_as_uint(s)};
+#pragma unroll
+  for (int k = 0; k < 8 / (int)sizeof(T); ++k) {
+    const smx_u32 v = sizeof(T) == 4 ? w[k] : (w[k >> 1] >> (16 * (k & 1))) & 0xffffu;
+    smx_write_bits<sizeof(T)>(row + (smx_i64)(j + k) * st, v);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, float& m, float& s) {
+  smx_u32 w[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < 8 / (int)sizeof(T); ++k) {
+    const smx_u32 v = smx_ld_relaxed<sizeof(T)>(row + (smx_i64)(j + k) * st);
+    if (sizeof(T) == 4) {
+      w[k] = v;
+    } else {
+      w[k >> 1] |= v << (16 * (k & 1));
+    }
+  }
+  m = __uint_as_float(w[0]);
+  s = __uint_as_float(w[1]);
+}
+
+// The coop exchange: the pair of block `rank` lives in the output elements
+// max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
+struct SmxCoopX {
+  template <bool SUM, typename T>
+  __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
+                                        bool act) const {
+    enum { N = Chunk<T>::N };
+    const int g = (int)gridDim.x;
+    if (g == 1) {  // a row per block: nothing to exchange, no barrier
+      __syncthreads();
+      m = pair[0];
+      s = pair[1];
+      return;  // (thread 0 writes `pair` again only after a later __syncthreads)
+    }
+    if (act && threadIdx.x == 0) smx_pair_put<T>(out, st, max(0, (int)blockIdx.x * cpb * N - ofs), pair[0], pair[1]);
+    smx_grid_sync();
+    m = SUM ? 0.0f : -SMX_INF;
+    s = 0.0f;
+    if (act) {
+#pragma unroll 1
+      for (int i = threadIdx.x & 31; i < g; i += 32) {
+        float m2, s2;
+        smx_pair_get<T>(out, st, max(0, i * cpb * N - ofs), m2, s2);
+        if (SUM) {
+          s += s2;
+        } else {
+          smx_pair_merge(m, s, m2, s2);
+        }
+      }
+    }
+    if (SUM) {
+      s = smx_warp_sum(s);
+    } else {
+      smx_warp_pair_merge(m, s);
+    }
+    smx_grid_sync();  // every block has read every pair: STORE may overwrite them
+  }
+  __device__ __forceinline__ void finish() const {}
+};
+
+// ---------------------------------------------------------------------------------
+// A block's slice of one row: chunks rank * K * B .. of row `row` (see the top), its pair
+// exchanged with the row's other blocks through `xc`.  `act`: the row exists (coop blocks
+// of a wave past the last row only take part in the exchange).
+template <typename T, class M, int R, class X>
+__device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+                                              const void* __restrict__ klen, const SmxFwdParams& p, smx_i64 row,
+                                              bool act, int rank, const X& xc, float (*red)[SMX_CBLOCK / 32],
+                                              float* pair) {
   enum { N = Chunk<T>::N, U = SMX_CL_U };
   typedef MaskChunk<M, N> MC;
   enum { XB = 16, MB = M::PRESENT ? (int)sizeof(MC) : 0 };
-  __shared__ float red[2][SMX_CBLOCK / 32];
-  __shared__ float pair[2];
   const int tid = threadIdx.x;
-  const smx_u32 cs = smx_cluster_size();
-  const smx_u32 rank = smx_cluster_rank();
   // Q from the dynamic shared memory size (whole steps only: a size the driver rounds up
   // changes nothing), then the slots of the slice held there.
   const int q_count = (int)(smx_dyn_smem_size() / ((XB + MB) * SMX_CBLOCK * U)) * U;
   const int slots = q_count * SMX_CBLOCK;
   Chunk<T>* xs = (Chunk<T>*)smx_cl_dyn;
   MC* ms = (MC*)(smx_cl_dyn + (smx_u64)slots * XB);
-  const int cb = (int)rank * (slots + R * SMX_CBLOCK);  // first chunk of this CTA's slice
-  const int cq = cb + R * SMX_CBLOCK;                    // its first chunk in shared memory
+  const int cb = rank * (slots + R * SMX_CBLOCK);  // first chunk of this block's slice
+  const int cq = cb + R * SMX_CBLOCK;              // its first chunk in shared memory
 
   FwdRow<T, M> rw[1];
-  rw[0] = smx_fwd_row<T, M, false>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / cs));
+  rw[0] = smx_fwd_row<T, M, false>(x, y, mask, klen, p, row);
   const typename M::S* m0 = (const typename M::S*)mask;
 
   // The first R chunks of each thread stay in registers (the tier's LOAD), in flight while
@@ -214,7 +363,7 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   }
 
   // PAIR: this thread's (max, sum), a step of U chunks at a time (merged as they come),
-  // then the warp's, the CTA's, the row's.
+  // then the warp's, the block's, the row's.
   float m = -SMX_INF, s = 0.0f;
   if (R > 0) {
     float v[1][RR][N], mx[1];
@@ -265,12 +414,12 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
       pair[1] = s;
     }
   }
-  smx_cluster_merge<false>(m, s, pair, cs);
+  xc.template merge<false, T>(m, s, pair, rw[0].y, p.sy, rw[0].ofs, slots + R * SMX_CBLOCK, act);
 
   // STORE.
   const float ml = smx_max_use(m) * SMX_LOG2E;
   const float inv[1] = {smx_inv_sum(s)};
-  const bool act[1] = {true};
+  const bool acts[1] = {act};
   if (R > 0) {
     float v[1][RR][N], mx[1];
     smx_fwd_values<T, M, RR, 1, false>(v, mx, cxr, cmr, rw, cb + tid, SMX_CBLOCK, p.scale);
@@ -278,9 +427,9 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
     for (int k = 0; k < RR; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
-    smx_fwd_store<T, M, RR, 1, false>(v, inv, rw, act, cb + tid, SMX_CBLOCK, p);
+    smx_fwd_store<T, M, RR, 1, false>(v, inv, rw, acts, cb + tid, SMX_CBLOCK, p);
   }
-  for (int q0 = 0; q0 < q_count; q0 += U) {
+  for (int q0 = 0; q0 < (act ? q_count : 0); q0 += U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
     float v[1][U][N], mx[1];
@@ -295,31 +444,27 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
     for (int k = 0; k < U; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
-    smx_fwd_store<T, M, U, 1, false>(v, inv, rw, act, c0, SMX_CBLOCK, p);
+    smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
   }
-  smx_cluster_wait();  // no CTA leaves while another may still read its pair
-#endif
+  xc.finish();
 }
 
-template <typename T, int R>
-__global__ void __launch_bounds__(SMX_CBLOCK, 2)
-smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
-#if __CUDA_ARCH__ >= 900
+template <typename T, int R, class X>
+__device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+                                              const SmxBwdParams& p, smx_i64 row, int rank, const X& xc, float* red,
+                                              float* pair) {
   enum { N = Chunk<T>::N, U = SMX_CL_U };
-  __shared__ float red[SMX_CBLOCK / 32];
-  __shared__ float pair[2];
   const int tid = threadIdx.x;
-  const smx_u32 cs = smx_cluster_size();
-  const smx_u32 rank = smx_cluster_rank();
   const int q_count = (int)(smx_dyn_smem_size() / (32 * SMX_CBLOCK * U)) * U;  // as forward
   const int slots = q_count * SMX_CBLOCK;  // chunks of dy and of y
   Chunk<T>* ds = (Chunk<T>*)smx_cl_dyn;
   Chunk<T>* ys = ds + slots;
-  const int cb = (int)rank * (slots + R * SMX_CBLOCK);
+  const int cb = rank * (slots + R * SMX_CBLOCK);
   const int cq = cb + R * SMX_CBLOCK;
 
   BwdRow<T> rw[1];
-  rw[0] = smx_bwd_row<T, false>(dy, y, dx, p, (smx_i64)(blockIdx.x / cs));
+  rw[0] = smx_bwd_row<T, false>(dy, y, dx, p, row);
+  const int sk = rw[0].act ? p.sk : 0;  // nothing of a row past the end is read
   const bool vec = (p.flags & SMX_F_VEC) != 0;
   enum { RR = R > 0 ? R : 1 };
   Chunk<T> cdr[1][RR], cyr[1][RR];
@@ -339,10 +484,10 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
         if (smx_in(c, rw[0].c0, rw[0].c1)) {
           smx_cp16(&ds[slot], rw[0].dy + j0);
           smx_cp16(&ys[slot], rw[0].y + j0);
-        } else if (j0 < p.sk && j0 + N > 0) {
+        } else if (j0 < sk && j0 + N > 0) {
           Chunk<T> cd, cy;
-          smx_load_chunk<T>(cd, rw[0].dy, p.sdy, j0, p.sk, vec, dy, p.span_dy);
-          smx_load_chunk<T>(cy, rw[0].y, p.sy, j0, p.sk, vec, y, p.span_y);
+          smx_load_chunk<T>(cd, rw[0].dy, p.sdy, j0, sk, vec, dy, p.span_dy);
+          smx_load_chunk<T>(cy, rw[0].y, p.sy, j0, sk, vec, y, p.span_y);
           ds[slot] = cd;
           ys[slot] = cy;
         }
@@ -386,11 +531,11 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
     }
   }
   float m;
-  smx_cluster_merge<true>(m, dot, pair, cs);
+  xc.template merge<true, T>(m, dot, pair, rw[0].dx, p.sdx, rw[0].ofs, slots + R * SMX_CBLOCK, rw[0].act);
 
   const float dots[1] = {dot};
   if (R > 0) smx_bwd_store<T, RR, 1, false>(cdr, cyr, dots, rw, cb + tid, SMX_CBLOCK, p);
-  for (int q0 = 0; q0 < q_count; q0 += U) {
+  for (int q0 = 0; q0 < (rw[0].act ? q_count : 0); q0 += U) {
     Chunk<T> cd[1][U], cy[1][U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -399,6 +544,63 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
     }
     smx_bwd_store<T, U, 1, false>(cd, cy, dots, rw, cq + q0 * SMX_CBLOCK + tid, SMX_CBLOCK, p);
   }
-  smx_cluster_wait();
+  xc.finish();
+}
+
+// ---------------------------------------------------------------------------------
+// Kernels.  Cluster tier: grid rows * CS in clusters of CS (sm_90+).  Coop tier: grid
+// (G, groups), all blocks co-resident (cooperative launch); group g takes rows g,
+// g + groups, ...
+template <typename T, class M, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+                const void* __restrict__ klen, const SmxFwdParams p) {
+#if __CUDA_ARCH__ >= 900
+  __shared__ float red[2][SMX_CBLOCK / 32];
+  __shared__ float pair[2];
+  const SmxClusterX xc = {smx_cluster_size()};
+  smx_fwd_slice<T, M, R>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)smx_cluster_rank(), xc, red,
+                         pair);
 #endif
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
+#if __CUDA_ARCH__ >= 900
+  __shared__ float red[SMX_CBLOCK / 32];
+  __shared__ float pair[2];
+  const SmxClusterX xc = {smx_cluster_size()};
+  smx_bwd_slice<T, R>(dy, y, dx, p, (smx_i64)(blockIdx.x / xc.cs), (int)smx_cluster_rank(), xc, red, pair);
+#endif
+}
+
+template <typename T, class M, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+smx_fwd_coop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+             const void* __restrict__ klen, const SmxFwdParams p) {
+  __shared__ float red[2][SMX_CBLOCK / 32];
+  __shared__ float pair[2];
+  const SmxCoopX xc;
+  const smx_i64 groups = gridDim.y;
+  const smx_i64 waves = (p.rows + groups - 1) / groups;
+#pragma unroll 1
+  for (smx_i64 w = 0; w < waves; ++w) {
+    const smx_i64 row = blockIdx.y + w * groups;
+    smx_fwd_slice<T, M, R>(x, y, mask, klen, p, row, row < p.rows, (int)blockIdx.x, xc, red, pair);
+  }
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+smx_bwd_coop(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
+  __shared__ float red[SMX_CBLOCK / 32];
+  __shared__ float pair[2];
+  const SmxCoopX xc;
+  const smx_i64 groups = gridDim.y;
+  const smx_i64 waves = (p.rows + groups - 1) / groups;
+#pragma unroll 1
+  for (smx_i64 w = 0; w < waves; ++w) {
+    smx_bwd_slice<T, R>(dy, y, dx, p, blockIdx.y + w * groups, (int)blockIdx.x, xc, red, pair);
+  }
 }

@@ -206,7 +206,8 @@ def explain(
     Needs no GPU.  Assumes a contiguous layout (16-byte accesses); strided layouts use
     the same tier with element-wise accesses.  `arch` ('sm_90', ...) plans for that GPU
     architecture: rows beyond the register tier take the cluster tier on sm_90+ where its
-    shared memory holds them; None plans the tiers every GPU has.
+    shared memory holds them, else the coop tier (co-resident blocks; its groups of blocks
+    are set at launch from the device's occupancy); None plans the tiers every GPU has.
     """
     from . import _core, _plan
 

@@ -9,6 +9,7 @@ calls with the same layout only write pointers and launch.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import struct
 import threading
 from collections.abc import Callable
@@ -160,7 +161,20 @@ def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
 class Prepared:
     """Everything of one launch but the pointers and the stream."""
 
-    __slots__ = ("dev", "kernel", "func", "grid", "block", "params", "params_addr", "plan", "nargs", "cluster")
+    __slots__ = (
+        "dev",
+        "kernel",
+        "func",
+        "grid",
+        "block",
+        "params",
+        "params_addr",
+        "plan",
+        "nargs",
+        "cluster",
+        "coop",
+        "fallback",
+    )
 
     def __init__(self, dev: Device, plan: _plan.LaunchPlan, packed: bytes, nargs: int) -> None:
         self.dev = dev
@@ -178,6 +192,10 @@ class Prepared:
             from ._driver import cluster_config
 
             self.cluster = cluster_config(plan.grid, plan.cluster, plan.block, plan.smem)
+        # Coop-tier launches: (blocks per row, groups), and the plan of the looped tier to
+        # take if a cooperative launch is refused; None for all others.
+        self.coop: tuple[int, int] | None = (plan.coop, plan.grid // plan.coop) if plan.coop else None
+        self.fallback: _plan.LaunchPlan | None = None
 
 
 _Made = tuple[dict[str, Any], _plan.LaunchPlan]
@@ -190,6 +208,26 @@ def _cluster_or_loop(dev: Device, made: _Made, replan: Callable[[], _Made]) -> _
     if plan.cluster and not dev.cluster_ready(plan.kernel, plan.cluster, plan.smem, plan.block):
         return replan()
     return made
+
+
+def _coop_or_loop(dev: Device, made: _Made, replan: Callable[[], _Made]) -> _Made:
+    """`made` if its plan is not of the coop tier; else its grid set from the device's
+    measured capacity for its kernel (checked once per kernel and size), or what `replan`
+    makes without the device's tiers where not even one row's blocks fit at once."""
+    values, plan = made
+    if not plan.coop:
+        return made
+    groups = _plan.coop_groups(values["rows"], plan.coop, dev.coop_capacity(plan.kernel, plan.smem, plan.block))
+    if groups < 1:
+        return replan()
+    return values, dataclasses.replace(plan, grid=plan.coop * groups)
+
+
+def _with_fallback(prep: Prepared, replan: Callable[[], _Made]) -> Prepared:
+    """A coop-tier launch keeps the looped tier's plan (same parameters) for a refused launch."""
+    if prep.coop is not None:
+        prep.fallback = replan()[1]
+    return prep
 
 
 _cache: dict[tuple[object, ...], Prepared] = {}
@@ -234,12 +272,13 @@ def prepare_forward(
 ) -> Prepared:
     """`aligned`: x and y are 16-byte aligned; `mask_aligned`: so is the mask (it lets the
     whole-chunk kernels run; without it the general kernels check each mask row)."""
-    values, plan = _cluster_or_loop(
-        dev,
-        forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned, getattr(dev, "caps", None)),
-        lambda: forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned),
-    )
-    return Prepared(dev, plan, _params.FWD.pack(values), 5)
+
+    def replan() -> _Made:
+        return forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned)
+
+    made = forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned, getattr(dev, "caps", None))
+    values, plan = _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan)
+    return _with_fallback(Prepared(dev, plan, _params.FWD.pack(values), 5), replan)
 
 
 def forward_params(
@@ -372,12 +411,12 @@ def _mask_row_order(
 
 
 def prepare_backward(dev: Device, dy: Operand, y: Operand, dx: Operand, scale: float, aligned: bool) -> Prepared:
-    values, plan = _cluster_or_loop(
-        dev,
-        backward_params(dy, y, dx, scale, aligned, getattr(dev, "caps", None)),
-        lambda: backward_params(dy, y, dx, scale, aligned),
-    )
-    return Prepared(dev, plan, _params.BWD.pack(values), 4)
+    def replan() -> _Made:
+        return backward_params(dy, y, dx, scale, aligned)
+
+    made = backward_params(dy, y, dx, scale, aligned, getattr(dev, "caps", None))
+    values, plan = _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan)
+    return _with_fallback(Prepared(dev, plan, _params.BWD.pack(values), 4), replan)
 
 
 def backward_params(
@@ -479,6 +518,9 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
     if prep.cluster is not None:
         _launch_cluster(prep, argv_addr, stream)
         return
+    if prep.coop is not None:
+        _launch_coop(prep, argv_addr, stream)
+        return
     if stream > 2 or ctx_ok:
         s = _streams.get(stream)
         if s is None:
@@ -555,6 +597,42 @@ def _launch_cluster(prep: Prepared, argv_addr: int, stream: int) -> None:
 
 
 _cluster_lock = threading.Lock()
+_COOPERATIVE_LAUNCH_TOO_LARGE = 720
+
+
+def _launch_coop(prep: Prepared, argv_addr: int, stream: int) -> None:
+    """One cuLaunchCooperativeKernel of a coop-tier launch (grid (G, groups), all blocks
+    resident at once), with the kernel's device's primary context current.  Where the
+    driver refuses it as too large (the device is shared, say), this launch and all later
+    ones of `prep` take the looped tier: its kernel reads the same parameters."""
+    drv = _drv or _load_driver()
+    ctx = prep.dev.ctx
+    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
+    if pushed:
+        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        coop = prep.coop
+        if coop is not None:
+            err = drv.cuLaunchCooperativeKernel(
+                prep.func, coop[0], coop[1], 1, prep.block, 1, 1, prep.plan.smem, _stream_obj(stream), argv_addr
+            )[0]
+            if int(err) != _COOPERATIVE_LAUNCH_TOO_LARGE or prep.fallback is None:
+                check((err,), "cuLaunchCooperativeKernel")
+                return
+            from ._log import log
+
+            log.info("cooperative launch of %s refused as too large: the looped tier instead", prep.plan.kernel)
+            fb = prep.fallback
+            prep.func, prep.kernel = prep.dev.function(fb.kernel), prep.dev.kernel(fb.kernel)
+            prep.grid, prep.block, prep.plan = fb.grid, fb.block, fb
+            prep.coop = None
+        check(
+            drv.cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0),
+            "cuLaunchKernel",
+        )
+    finally:
+        if pushed:
+            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def forward(

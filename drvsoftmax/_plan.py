@@ -14,6 +14,7 @@ keeps 2 to 8 loads in flight per thread while filling the chip.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from . import _dtypes
@@ -154,6 +155,14 @@ def kernel_bwd_cluster(dtype: str, reg: int = 0) -> str:
     return f"smx_bwd_cluster<{_t(dtype)}, {reg}>"
 
 
+def kernel_fwd_coop(dtype: str, mask_kind: str, reg: int = 0) -> str:
+    return f"smx_fwd_coop<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {reg}>"
+
+
+def kernel_bwd_coop(dtype: str, reg: int = 0) -> str:
+    return f"smx_bwd_coop<{_t(dtype)}, {reg}>"
+
+
 def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
@@ -167,6 +176,10 @@ def all_kernel_names() -> list[str]:
         names += [kernel_fwd_cluster(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_cluster(dt, "none", CLUSTER_REG))
         names += [kernel_bwd_cluster(dt), kernel_bwd_cluster(dt, CLUSTER_REG)]
+    for dt in X_DTYPES:  # the coop tier after them
+        names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
+        names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
+        names += [kernel_bwd_coop(dt), kernel_bwd_coop(dt, CLUSTER_REG)]
     return names
 
 
@@ -207,23 +220,54 @@ CLUSTER_SMEM_RESERVE = 1024
 CLUSTER_REG = 4
 
 
+# The coop tier (every architecture the package builds for): rows beyond the register tier
+# held on chip by G ordinary blocks that are all resident at once (a cooperative launch),
+# exchanging their pairs through global memory; the same slices as the cluster tier.  It
+# takes rows no cluster holds (sm_90+) and every long row that fits on older GPUs.
+COOP_MIN_CC = 70
+COOP_MAX_BLOCKS = 1024  # blocks per row (the grid's x dimension)
+COOP_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
+# Testing knob: DRVSOFTMAX_FORCE_COOP=1 plans the coop tier where the cluster tier would
+# run (so that both are tested on one sm_90 GPU).  Read at import; tests set FORCE_COOP.
+FORCE_COOP_ENV = "DRVSOFTMAX_FORCE_COOP"
+FORCE_COOP = os.environ.get(FORCE_COOP_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 @dataclass(frozen=True)
 class DeviceCaps:
-    """What the planner needs to know of a device: its compute capability (90 for sm_90)
-    and the dynamic shared memory one block may opt in to (bytes)."""
+    """What the planner needs to know of a device: its compute capability (90 for sm_90),
+    the dynamic shared memory one block may opt in to (bytes) and its SM count (0: unknown,
+    when planning without a device)."""
 
     cc: int
     smem_per_block: int
+    sm_count: int = 0
 
     @property
     def clusters(self) -> bool:
         return self.cc >= CLUSTER_MIN_CC and self.smem_per_block > CLUSTER_SMEM_RESERVE
 
+    @property
+    def coop(self) -> bool:
+        return self.cc >= COOP_MIN_CC and self.smem_per_block > CLUSTER_SMEM_RESERVE
+
 
 # Dynamic shared memory one block may opt in to, by compute capability (the CUDA
 # programming guide's table), for planning without a device (`explain(arch=...)`); an
 # unknown architecture of sm_90 or newer is assumed to have the smallest of them.
-SMEM_PER_BLOCK_OPTIN = {90: 232448, 100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
+SMEM_PER_BLOCK_OPTIN = {
+    75: 65536,
+    80: 166912,
+    86: 101376,
+    87: 166912,
+    89: 101376,
+    90: 232448,
+    100: 232448,
+    103: 232448,
+    110: 232448,
+    120: 101376,
+    121: 101376,
+}
 
 
 def caps_of_arch(cc: int) -> DeviceCaps:
@@ -258,10 +302,58 @@ def _two_per_sm(smem: int, caps: DeviceCaps) -> bool:
     return 2 * (smem + CLUSTER_SMEM_RESERVE) <= caps.smem_per_block + 1024
 
 
+def blocks_per_sm(smem: int, caps: DeviceCaps) -> int:
+    """Blocks of the long-row kernels (BLOCK threads, launch bounds of two blocks per SM)
+    with `smem` bytes of dynamic shared memory that surely fit one SM: what shared memory
+    allows, at most two (more where registers allow is found at launch)."""
+    return min(2, (caps.smem_per_block + 1024) // (smem + CLUSTER_SMEM_RESERVE))
+
+
+def coop_shape(
+    sk: int, item: int, aligned_rows: bool, slot_bytes: int, caps: DeviceCaps | None, reg: int = 0
+) -> tuple[int, int, int] | None:
+    """(blocks per row G, chunks per thread Q in shared memory, dynamic shared memory per
+    block) holding a row of `sk` elements in the coop tier, `reg` chunks per thread in
+    registers; None when the device has no coop tier or the row does not fit.
+
+    The fewest blocks whose slices stay under CLUSTER_SMEM_TARGET with two blocks per SM,
+    else the fewest that fit at all.  Every block holds at least one chunk of the row (its
+    pair is written there), and, where the SM count is known, G blocks surely fit the
+    device at once."""
+    if caps is None or not caps.coop:
+        return None
+    n = CHUNK_BYTES // item
+    chunks = row_chunks(sk, item, aligned_rows)
+    limit = caps.smem_per_block - CLUSTER_SMEM_RESERVE
+    fit = None
+    last_q = -1
+    for g in range(1, COOP_MAX_BLOCKS + 1):
+        q = CLUSTER_STEP * _ceil_div(max(0, chunks - g * BLOCK * reg), g * BLOCK * CLUSTER_STEP)
+        if q == last_q:  # more blocks of the same slice: never better
+            continue
+        last_q = q
+        smem = q * BLOCK * slot_bytes
+        if smem > limit or sk - (g - 1) * (q + reg) * BLOCK * n < n:
+            continue
+        if caps.sm_count and g > caps.sm_count * blocks_per_sm(smem, caps):
+            continue
+        if smem <= CLUSTER_SMEM_TARGET and _two_per_sm(smem, caps):
+            return g, q, smem
+        if fit is None:
+            fit = (g, q, smem)
+    return fit
+
+
+def coop_groups(rows: int, g: int, capacity: int) -> int:
+    """Rows in flight (groups of G blocks) for a device that holds `capacity` such blocks
+    at once: 0 when not even one group fits."""
+    return min(rows, capacity // g, COOP_MAX_GROUPS)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
-    tier: str  # "register", "cluster" or "loop"
+    tier: str  # "register", "cluster", "coop" or "loop"
     grid: int
     block: int
     tpr_log2: int  # log2(threads per row)
@@ -272,6 +364,7 @@ class LaunchPlan:
     whole: bool = False  # every row of every operand is whole 16-byte chunks (AL kernel)
     cluster: int = 0  # CTAs per cluster (cluster tier), else 0
     smem: int = 0  # dynamic shared memory per block (bytes)
+    coop: int = 0  # blocks per row G (coop tier: grid (G, grid // G)), else 0
 
     @property
     def tpr(self) -> int:
@@ -282,6 +375,11 @@ class LaunchPlan:
         shape = f"grid {self.grid} x block {self.block}"
         if self.cluster:
             shape += f" in clusters of {self.cluster}, {self.smem} bytes of shared memory per block"
+        if self.coop:
+            shape += (
+                f" as {self.grid // self.coop} group(s) of {self.coop} co-resident blocks, "
+                f"{self.smem} bytes of shared memory per block"
+            )
         return (
             f"{self.tier} tier: {self.kernel}, {shape}, "
             f"{self.tpr} threads per row, {self.nch} chunk(s) x {self.rpt} row(s) per thread, "
@@ -386,6 +484,39 @@ def _cluster_plan(
     )
 
 
+def _coop_plan(
+    names: tuple[str, str | None],
+    rows: int,
+    sk: int,
+    item: int,
+    aligned_rows: bool,
+    slot_bytes: int,
+    vector: bool,
+    caps: DeviceCaps,
+) -> LaunchPlan | None:
+    """The coop tier's plan, registers taken as in `_cluster_plan`.  Its groups are what
+    the SM count surely holds (one without a device); a launch sets them from the device's
+    measured occupancy."""
+    shape = coop_shape(sk, item, aligned_rows, slot_bytes, caps)
+    name, reg = names[0], 0
+    if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
+        alt = coop_shape(sk, item, aligned_rows, slot_bytes, caps, CLUSTER_REG)
+        if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
+            shape, name, reg = alt, names[1], CLUSTER_REG
+    if shape is None:
+        return None
+    g, q, smem = shape
+    cap = caps.sm_count * blocks_per_sm(smem, caps) if caps.sm_count else g
+    groups = coop_groups(rows, g, cap)
+    chunks = row_chunks(sk, item, aligned_rows)
+    where = f"{q} in shared memory" + (f", {reg} in registers" if reg else "")
+    why = (
+        f"{chunks} chunks per row beyond the register tier, held on chip by {g} co-resident block(s) "
+        f"({reg + q} chunk(s) per thread: {where}; sm_{caps.cc}; groups set at launch from occupancy)"
+    )
+    return LaunchPlan(name, "coop", g * groups, BLOCK, _log2_ceil(BLOCK), reg + q, 1, vector, why, smem=smem, coop=g)
+
+
 def plan_forward(
     rows: int,
     sk: int,
@@ -396,8 +527,8 @@ def plan_forward(
     caps: DeviceCaps | None = None,
     mask_whole: bool = True,
 ) -> LaunchPlan:
-    """`caps`: the device's (compute capability, shared memory); None plans for any device
-    (no cluster tier).  `mask_whole`: the mask (if any) is read a chunk at a time, each of
+    """`caps`: the device's (compute capability, shared memory, SMs); None plans for any
+    device (no cluster or coop tier).  `mask_whole`: the mask (if any) is read a chunk at a time, each of
     its rows on the grid of its chunk width (the host checks its pointer, strides and unit
     key stride)."""
     item = X_DTYPES[dtype][1]
@@ -412,7 +543,13 @@ def plan_forward(
             kernel_fwd_cluster(dtype, mask_kind),
             kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
         )
-        plan = _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
+        plan = None if FORCE_COOP else _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
+        if plan is None:
+            names = (
+                kernel_fwd_coop(dtype, mask_kind),
+                kernel_fwd_coop(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
+            )
+            plan = _coop_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
         if plan is not None:
             return plan
     whole = whole and tier == "register"
@@ -429,7 +566,10 @@ def plan_backward(
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows, whole)
     if tier == "loop" and caps is not None:
         names = (kernel_bwd_cluster(dtype), kernel_bwd_cluster(dtype, CLUSTER_REG))
-        plan = _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+        plan = None if FORCE_COOP else _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+        if plan is None:
+            names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))
+            plan = _coop_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
         if plan is not None:
             return plan
     whole = whole and tier == "register"

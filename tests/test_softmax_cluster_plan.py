@@ -48,14 +48,17 @@ def test_mask_element_sizes_match_the_c_types():
 @pytest.mark.parametrize("caps", [None, A100, L40, _plan.DeviceCaps(75, 65536)])
 @pytest.mark.parametrize("backward", [False, True])
 def test_no_cluster_tier_before_sm_90(caps, backward):
-    """Devices without clusters (and no device at all) plan exactly as without `caps`."""
+    """Devices without clusters (and no device at all) plan exactly as without `caps`, but
+    for the coop tier (tests/test_softmax_coop_plan.py)."""
     for dtype in DTYPES:
         for sk in [1, 128, 16384, *LONG]:
             for aligned in (True, False):
                 for mk in ("none", "hide1", "add_float64") if not backward else ("none",):
                     p = _plan_of(backward, 33, sk, dtype, mk, aligned, caps)
-                    assert p == _plan_of(backward, 33, sk, dtype, mk, aligned, None)
-                    assert p.tier != "cluster" and p.cluster == 0 and p.smem == 0
+                    assert p.tier != "cluster" and p.cluster == 0
+                    if p.tier != "coop":
+                        assert p == _plan_of(backward, 33, sk, dtype, mk, aligned, None)
+                        assert p.smem == 0
 
 
 def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool):
@@ -108,7 +111,7 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 chunks = _plan.row_chunks(sk, ITEM[dtype], aligned)
                 want = _expected_shape(chunks, slot, caps, backward or mk == "none")
                 if want is None:
-                    assert p.tier == "loop" and p.cluster == 0, (mk, sk, p)
+                    assert p.tier in ("coop", "loop") and p.cluster == 0, (mk, sk, p)
                     continue
                 cs, q, reg = want
                 regs_seen.add(reg)
@@ -162,8 +165,8 @@ def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     longest = 16 * 256 * (qmax + reg) * n
     p = _plan_of(backward, 2, longest, dtype, mk or "none", True, H200)
     assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax + reg and p.kernel.endswith(f", {reg}>")
-    assert _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200).tier == "loop"
-    assert _plan_of(backward, 2, longest, dtype, mk or "none", False, H200).tier == "loop"  # one chunk more
+    assert _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200).tier == "coop"
+    assert _plan_of(backward, 2, longest, dtype, mk or "none", False, H200).tier == "coop"  # one chunk more
 
 
 def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
@@ -173,18 +176,18 @@ def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
                 assert _plan.plan_forward(64, sk, dtype, mk, True, True, H200).tier == "cluster", (sk, dtype, mk)
             assert _plan.plan_backward(64, sk, dtype, True, True, H200).tier == "cluster", (sk, dtype)
     # 1M keys: 16-bit rows fit (2 MB of x, 1 MB of a bool mask, 4 MB of dy and y over 16
-    # blocks, with registers); fp32 rows do not.
+    # blocks, with registers); fp32 rows do not (the coop tier takes them).
     assert _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200).tier == "cluster"
     assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "cluster"
     assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "cluster"
-    assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "loop"
-    assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "loop"
+    assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "coop"
+    assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "coop"
 
 
-def test_cluster_grid_beyond_the_launch_limit_takes_the_loop():
+def test_cluster_grid_beyond_the_launch_limit_takes_the_coop_tier():
     rows = _plan.MAX_GRID // 2 + 1  # 2 blocks per row would pass the limit
     p = _plan.plan_forward(rows, 20000, "float16", "none", True, True, H200)
-    assert p.tier == "loop" and p.grid == rows
+    assert p.tier == "coop" and p.grid <= _plan.COOP_MAX_BLOCKS * _plan.COOP_MAX_GROUPS
 
 
 def test_describe_names_the_cluster():
@@ -203,7 +206,7 @@ def test_forward_and_backward_params_thread_the_device_through():
     _, p = _core.forward_params(x, x, None, None, False, 1.0, True)
     assert p.tier == "loop"
     _, p = _core.forward_params(x, x, None, None, False, 1.0, True, caps=A100)
-    assert p.tier == "loop"
+    assert p.tier == "coop"
     _, p = _core.backward_params(x, x, x, 1.0, True, H200)
     assert p.tier == "cluster"
     _, p = _core.backward_params(x, x, x, 1.0, True)
@@ -282,8 +285,9 @@ def test_explain_plans_for_an_architecture():
         "cluster tier: smx_bwd_cluster<smx_f16, 0>"
     )
     assert drvsoftmax.explain((2, 65536), "float32", mask_dtype="bool", arch="sm_120").startswith("cluster tier")
-    for arch in ("sm_80", "sm_89", None):
-        assert drvsoftmax.explain((2, 8, 65536), "float16", arch=arch).startswith("loop tier")
+    for arch in ("sm_75", "sm_80", "sm_89"):
+        assert drvsoftmax.explain((2, 8, 65536), "float16", arch=arch).startswith("coop tier")
+    assert drvsoftmax.explain((2, 8, 65536), "float16").startswith("loop tier")
     assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^arch must be of the form 'sm_XY'"):
         drvsoftmax.explain((2, 65536), "float16", arch="hopper")

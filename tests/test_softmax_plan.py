@@ -163,9 +163,11 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
 
 def test_every_kernel_name_is_reachable():
     reached = set()
+    a100 = _plan.DeviceCaps(80, 166912, 108)
     for dtype in DTYPES:
-        for sk in [*SWEEP, 262144, 524288, 2**20]:  # long rows: the cluster tier's register variants
-            for caps in (None, H200):
+        # long rows: the cluster and coop tiers' register variants
+        for sk in [*SWEEP, 262144, 524288, 2**20, 2**21, 2**22, 2**23]:
+            for caps in (None, H200, a100):
                 for mk in MASK_KINDS:
                     reached.add(_plan.plan_forward(64, sk, dtype, mk, True, True, caps).kernel)
                 reached.add(_plan.plan_backward(64, sk, dtype, True, True, caps).kernel)
