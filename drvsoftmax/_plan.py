@@ -215,6 +215,11 @@ CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
 # device's per-block limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).
 CLUSTER_SMEM_TARGET = 64 * 1024
 CLUSTER_SMEM_RESERVE = 1024
+# A masked forward or a backward in clusters of the largest size whose blocks need more
+# shared memory than this (one block per SM) loses to the looped tier (measured on the
+# H200, % of copy cluster / loop, fp16 rows of 1M keys: bool mask 39 / 52, backward 52 /
+# 57; the forward without a mask keeps its clusters: 62 / 56).
+CLUSTER_LOOP_SMEM = 128 * 1024
 # Chunks per thread the register variants (forward without a mask, backward) hold in
 # registers: taken where shared memory alone fits one CTA per SM and with them two fit.
 CLUSTER_REG = 4
@@ -222,8 +227,13 @@ CLUSTER_REG = 4
 
 # The coop tier (every architecture the package builds for): rows beyond the register tier
 # held on chip by G ordinary blocks that are all resident at once (a cooperative launch),
-# exchanging their pairs through global memory; the same slices as the cluster tier.  It
-# takes rows no cluster holds (sm_90+) and every long row that fits on older GPUs.
+# exchanging their pairs through global memory; the same slices as the cluster tier.  It is
+# planned where it measured faster than the looped tier: forwards without a mask on sm_90+
+# whose rows no cluster holds (H200, fp32 rows of 1M keys: 47% of copy against 43%).
+# Elsewhere the looped tier is faster (H200, the coop tier forced where clusters would run,
+# % of copy coop / loop: fp16 forward 65536 keys 49 / 62, with a bool mask 37 / 51, backward
+# 51 / 57; fp32 backward of 1M keys 46 / 53), so masked forwards, backwards and GPUs
+# before sm_90 keep the looped tier unless DRVSOFTMAX_FORCE_COOP asks for it.
 COOP_MIN_CC = 70
 COOP_MAX_BLOCKS = 1024  # blocks per row (the grid's x dimension)
 COOP_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
@@ -231,6 +241,9 @@ COOP_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
 # run (so that both are tested on one sm_90 GPU).  Read at import; tests set FORCE_COOP.
 FORCE_COOP_ENV = "DRVSOFTMAX_FORCE_COOP"
 FORCE_COOP = os.environ.get(FORCE_COOP_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+# True: the coop tier for every long row it holds that no cluster does (masked forwards,
+# backwards and GPUs before sm_90 included), not only where it measured faster.
+COOP_WHERE_IT_FITS = False
 
 
 @dataclass(frozen=True)
@@ -459,9 +472,11 @@ def _cluster_plan(
     slot_bytes: int,
     vector: bool,
     caps: DeviceCaps,
+    big_loses: bool = False,
 ) -> LaunchPlan | None:
     """`names`: the kernel with every chunk in shared memory, and its register variant
-    (CLUSTER_REG chunks per thread in registers) if there is one."""
+    (CLUSTER_REG chunks per thread in registers) if there is one; `big_loses`: a masked
+    forward or a backward (see CLUSTER_LOOP_SMEM)."""
     chunks = row_chunks(sk, item, aligned_rows)
     shape = cluster_shape(chunks, slot_bytes, caps)
     name, reg = names[0], 0
@@ -474,6 +489,8 @@ def _cluster_plan(
     cs, q, smem = shape
     if rows * cs > MAX_GRID:
         return None
+    if big_loses and cs == max(CLUSTER_SIZES) and smem > CLUSTER_LOOP_SMEM:
+        return None  # the looped tier is faster there
     where = f"{q} in shared memory" + (f", {reg} in registers" if reg else "")
     why = (
         f"{chunks} chunks per row beyond the register tier, held on chip by a cluster of {cs} blocks "
@@ -543,8 +560,12 @@ def plan_forward(
             kernel_fwd_cluster(dtype, mask_kind),
             kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
         )
-        plan = None if FORCE_COOP else _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
-        if plan is None:
+        plan = (
+            None
+            if FORCE_COOP
+            else _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
+        )
+        if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS or (mask_kind == "none" and caps.clusters)):
             names = (
                 kernel_fwd_coop(dtype, mask_kind),
                 kernel_fwd_coop(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
@@ -566,8 +587,12 @@ def plan_backward(
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows, whole)
     if tier == "loop" and caps is not None:
         names = (kernel_bwd_cluster(dtype), kernel_bwd_cluster(dtype, CLUSTER_REG))
-        plan = None if FORCE_COOP else _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
-        if plan is None:
+        plan = (
+            None
+            if FORCE_COOP
+            else _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
+        )
+        if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))
             plan = _coop_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
         if plan is not None:
