@@ -217,9 +217,11 @@ def test_forward_many_waves(dtype):
     """More rows than groups in flight: every block runs several waves, the last one partly
     past the last row."""
     sk = 40003
-    prep = _fwd_prepared(_rand((1, sk), DTYPES[dtype]))
+    many = torch.empty(sk, device="cuda", dtype=DTYPES[dtype]).as_strided((100000, sk), (0, 1))
+    prep = _fwd_prepared(many)  # (rows enough to fill the device: its groups are what the device holds)
     assert prep.plan.tier == "coop"
     groups = prep.coop[1]
+    assert 0 < groups < 100000
     rows = 3 * groups + 5
     x = torch.randn((rows, sk), device="cuda", dtype=DTYPES[dtype]) * 2
     plan = _fwd_prepared(x).plan
