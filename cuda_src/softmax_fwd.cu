@@ -311,8 +311,10 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   smx_warp_allreduce<OpSum, RPT>(s, tpr);
   smx_row_stats<RPT>(mx, s, fac, tpr, red);
   // cs1 afresh rather than kept live since the set-up: through LOAD and VALUES it costs
-  // a register, which the general 16-bit kernels of 4 chunks spilled.
-  if (!AL) {
+  // a register, which the general 16-bit kernels of 4 chunks with a mask spilled (sm_86,
+  // sm_89, sm_90), as did the fp32 ones of 2 chunks (sm_86, sm_89).  The 16-bit kernels
+  // without a mask keep it: recomputed, it costs them a spill on sm_75.
+  if (!AL && (M::PRESENT || sizeof(T) == 4)) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) rw[r].cs1 = smx_fwd_cs1(rw[r], p);
   }
