@@ -178,6 +178,11 @@ __device__ __forceinline__ smx_i64 smx_row_offset(const SmxRowMap& m, smx_i64 ro
 // chunks that are not read or written whole: a row's first and last chunk when rows are
 // not 16-byte aligned, strided rows, mask rows out of step with x's chunks.
 template <int B, int W> __device__ __forceinline__ void smx_put(smx_u32 (&w)[W], int e, smx_u64 v) {
+  if (B == 8) {  // as two 4-byte halves: one select chain writing both words sends w to local memory
+    smx_put<4, W>(w, 2 * e, (smx_u32)v);
+    smx_put<4, W>(w, 2 * e + 1, (smx_u32)(v >> 32));
+    return;
+  }
   const int bit = e * B * 8;
   const int wi = bit >> 5;
   const int sh = bit & 31;

@@ -61,6 +61,12 @@ template <typename T, class M> struct FwdRow {
   int c0, c1, cs1;
 };
 
+// The end of the chunks of a row that are stored whole, [c0, cs1).
+template <typename T, class M>
+__device__ __forceinline__ int smx_fwd_cs1(const FwdRow<T, M>& r, const SmxFwdParams& p) {
+  return (p.flags & SMX_F_VEC) ? max(r.c0, (p.sk + r.ofs) / Chunk<T>::N) : 0;
+}
+
 template <typename T, class M, bool AL>
 __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void* mask, const void* klen,
                                                     const SmxFwdParams& p, smx_i64 row) {
@@ -99,7 +105,7 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
   if (p.flags & SMX_F_VEC) {
     r.c0 = r.ofs > 0;
     r.c1 = max(r.c0, (r.lim + r.ofs) / N);  // an empty range stays empty for smx_in
-    r.cs1 = max(r.c0, (p.sk + r.ofs) / N);
+    r.cs1 = smx_fwd_cs1(r, p);
   }
   return r;
 }
@@ -304,6 +310,14 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   }
   smx_warp_allreduce<OpSum, RPT>(s, tpr);
   smx_row_stats<RPT>(mx, s, fac, tpr, red);
+  // cs1 afresh rather than kept live since the set-up: through LOAD and VALUES it costs
+  // a register, which the general 16-bit kernels of 4 chunks with a mask spilled (sm_86,
+  // sm_89, sm_90), as did the fp32 ones of 2 chunks (sm_86, sm_89).  The 16-bit kernels
+  // without a mask keep it: recomputed, it costs them a spill on sm_75.
+  if (!AL && (M::PRESENT || sizeof(T) == 4)) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) rw[r].cs1 = smx_fwd_cs1(rw[r], p);
+  }
   smx_fwd_store<T, M, NCH, RPT, AL>(v, fac, rw, act, lane, tpr, p);
 }
 
