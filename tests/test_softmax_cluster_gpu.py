@@ -210,7 +210,9 @@ def test_forward_masks(dtype, sk, kind):
         else:
             mdt = {"bool": torch.bool, "int64": torch.int64}[kind.split("_")[0]]
             m = torch.from_numpy(_gen.integers(1, 5, mshape) * (_gen.random(mshape) < 0.3)).to(mdt).cuda()
-    _check_forward(x, m, scale=0.5, what=f"{dtype} Sk={sk} mask {kind}")
+    # 8-byte masks on rows of 200003 keys: clusters of 16 beyond CLUSTER_LOOP_SMEM, the looped tier
+    wide = kind in ("int64_11qk", "add_f64_qk") and sk > 100000
+    _check_forward(x, m, scale=0.5, what=f"{dtype} Sk={sk} mask {kind}", any_tier=wide)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -278,10 +280,14 @@ def test_forward_strided_and_unaligned_rows(sk):
     "dtype,sk,mask", [("float16", 2**20, False), ("bfloat16", 2**20, True), ("float32", 262144, True)]
 )
 def test_forward_longest_targets(dtype, sk, mask):
-    """1M-key 16-bit rows (clusters of 16: the non-portable size) and 256K fp32 rows."""
+    """1M-key 16-bit rows (clusters of 16: the non-portable size) and 256K fp32 rows.  With a
+    mask, 1M-key 16-bit rows would need over CLUSTER_LOOP_SMEM per block: the looped tier."""
     x = _rand((3, sk), DTYPES[dtype])
     m = torch.from_numpy(_gen.random((1, sk)) < 0.3).cuda() if mask else None
-    _check_forward(x, m, scale=0.7, what=f"{dtype} Sk={sk} mask={mask}", cluster=16)
+    loop = mask and sk == 2**20
+    _check_forward(x, m, scale=0.7, what=f"{dtype} Sk={sk} mask={mask}", cluster=None if loop else 16, any_tier=loop)
+    if loop:
+        assert _fwd_plan(x, m).tier == "loop"
 
 
 def test_forward_many_clusters_cover_every_row():
