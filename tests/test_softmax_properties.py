@@ -167,7 +167,7 @@ def test_cuda_forward_and_backward_match_the_oracle(p, seed):
     torch.cuda.synchronize()
     assert y is out
     yh = _host(y)
-    check_softmax(yh, x, mask, scale, causal, kl, dtype=dtype, what="cuda")
+    check_softmax(yh, x, mask, scale, causal, kl, dtype=dtype, what="cuda", fp32_scores=True)
     dy = torch.randn(xt.shape, device="cuda").to(xt.dtype)
     ys = torch.nan_to_num(y)
     dx = drvsoftmax.scaled_masked_softmax_backward(dy, ys, scale=scale)
