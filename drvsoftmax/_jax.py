@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _args, _core, _driver, _reference
+from . import _args, _core, _driver, _intake, _reference
 from ._errors import DrvSoftmaxError, arg_type_error, arg_value_error, check
 
 _SUPPORTED = (
@@ -153,21 +153,7 @@ _DELETER = ctypes.cast(_deleter, ctypes.c_void_p).value or 0
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Element strides of a dense row-major array (the layout of JAX's arrays)."""
-    st = _row_majors.get(shape)
-    if st is None:
-        out = []
-        acc = 1
-        for n in reversed(shape):
-            out.append(acc)
-            acc *= max(n, 1)
-        st = tuple(reversed(out))
-        if len(_row_majors) > 1024:
-            _row_majors.clear()
-        _row_majors[shape] = st
-    return st
-
-
-_row_majors: dict[tuple[int, ...], tuple[int, ...]] = {}
+    return _intake.contiguous(shape)
 
 
 def _result(

@@ -107,3 +107,71 @@ def run_in_threads(work, n: int) -> list:
     for t in ts:
         t.join()
     return errors
+
+
+# ----------------------------------------------------------------------------------
+# Long-row tiers (cluster and coop): shared pieces of their tests.
+
+LONG_ROW_MASK_KINDS = [
+    "bool_b1qk",
+    "int64_11qk",
+    "add_own_b1qk",
+    "add_f32_b11k",
+    "add_f64_qk",
+    "bool_offset",
+    "add_strided",
+]
+
+
+def long_row_mask(kind: str, b: int, q: int, sk: int, x_dtype, gen):
+    """A CUDA mask for x [b, h, q, sk] of LONG_ROW_MASK_KINDS: `<dtype>_<dims>` (dims b1qk,
+    11qk, b11k, qk; dtype bool, int64, add_own (x's dtype), add_f32, add_f64), a bool mask one
+    element into a wider row (read element-wise) or an additive mask with a stride along the row."""
+    import torch
+
+    dims = {"b1qk": (b, 1, q, sk), "11qk": (1, 1, q, sk), "b11k": (b, 1, 1, sk), "qk": (q, sk)}
+    if kind in ("bool_offset", "add_strided"):
+        wide = (b, 1, q, 2 * sk + 8)
+        if kind == "bool_offset":
+            return torch.from_numpy(gen.random(wide) < 0.3).cuda()[..., 1 : 1 + sk]
+        v = torch.from_numpy(gen.standard_normal(wide)).to(x_dtype)
+        return v.masked_fill(torch.from_numpy(gen.random(wide) < 0.2), float("-inf")).cuda()[..., : 2 * sk : 2]
+    mshape = dims[kind.rsplit("_", 1)[1]]
+    if kind.startswith("add"):
+        mdt = {"own": x_dtype, "f32": torch.float32, "f64": torch.float64}[kind.split("_")[1]]
+        v = torch.from_numpy(gen.standard_normal(mshape)).to(mdt)
+        return v.masked_fill(torch.from_numpy(gen.random(mshape) < 0.2), float("-inf")).cuda()
+    mdt = {"bool": torch.bool, "int64": torch.int64}[kind.split("_")[0]]
+    return torch.from_numpy(gen.integers(1, 5, mshape) * (gen.random(mshape) < 0.3)).to(mdt).cuda()
+
+
+def chunk_slot_bytes(mask_kind: str, dtype: str, backward: bool) -> int:
+    """Shared memory per 16-byte chunk of x in the long-row tiers, from the C types of the
+    mask kinds (not the planner's table)."""
+    import re
+
+    from drvsoftmax import _plan
+
+    if backward:
+        return 32
+    c_bytes = {
+        "smx_u8": 1,
+        "smx_u16": 2,
+        "smx_u32": 4,
+        "smx_u64": 8,
+        "smx_f16": 2,
+        "smx_bf16": 2,
+        "float": 4,
+        "double": 8,
+    }
+    m = re.search(r"<(\w+)>", _plan.MASK_KINDS[mask_kind])
+    return 16 + (16 // _plan.X_DTYPES[dtype][1]) * (c_bytes[m.group(1)] if m else 0)
+
+
+def plan_of(backward: bool, rows: int, sk: int, dtype: str, mask_kind: str, aligned: bool, caps):
+    """The planner's plan of a forward (mask kind) or backward on a device of `caps`."""
+    from drvsoftmax import _plan
+
+    if backward:
+        return _plan.plan_backward(rows, sk, dtype, True, aligned, caps)
+    return _plan.plan_forward(rows, sk, dtype, mask_kind, True, aligned, caps)

@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 import pytest
-from helpers import assert_matches, torch_cuda_available
+from helpers import LONG_ROW_MASK_KINDS, assert_matches, long_row_mask, torch_cuda_available
 
 import drvsoftmax
 from drvsoftmax import _core, _driver, _plan, _reference
@@ -186,30 +186,11 @@ def test_forward_around_every_cluster_size_boundary(dtype):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("sk", [16385, 65536, 200003])
-@pytest.mark.parametrize(
-    "kind", ["bool_b1qk", "int64_11qk", "add_own_b1qk", "add_f32_b11k", "add_f64_qk", "bool_offset", "add_strided"]
-)
+@pytest.mark.parametrize("kind", LONG_ROW_MASK_KINDS)
 def test_forward_masks(dtype, sk, kind):
     b, h, q = 2, 2, 2
-    shape = (b, h, q, sk)
-    x = _rand(shape, DTYPES[dtype])
-    dims = {"b1qk": (b, 1, q, sk), "11qk": (1, 1, q, sk), "b11k": (b, 1, 1, sk), "qk": (q, sk)}
-    if kind in ("bool_offset", "add_strided"):
-        wide = (b, 1, q, 2 * sk + 8)
-        if kind == "bool_offset":  # one element in: the mask row is read element-wise
-            m = torch.from_numpy(_gen.random(wide) < 0.3).cuda()[..., 1 : 1 + sk]
-        else:  # a stride along the row
-            v = torch.from_numpy(_gen.standard_normal(wide)).to(DTYPES[dtype])
-            m = v.masked_fill(torch.from_numpy(_gen.random(wide) < 0.2), float("-inf")).cuda()[..., : 2 * sk : 2]
-    else:
-        mshape = dims[kind.rsplit("_", 1)[1]]
-        if kind.startswith("add"):
-            mdt = {"own": DTYPES[dtype], "f32": torch.float32, "f64": torch.float64}[kind.split("_")[1]]
-            v = torch.from_numpy(_gen.standard_normal(mshape)).to(mdt)
-            m = v.masked_fill(torch.from_numpy(_gen.random(mshape) < 0.2), float("-inf")).cuda()
-        else:
-            mdt = {"bool": torch.bool, "int64": torch.int64}[kind.split("_")[0]]
-            m = torch.from_numpy(_gen.integers(1, 5, mshape) * (_gen.random(mshape) < 0.3)).to(mdt).cuda()
+    x = _rand((b, h, q, sk), DTYPES[dtype])
+    m = long_row_mask(kind, b, q, sk, DTYPES[dtype], _gen)
     # 8-byte masks on rows of 200003 keys: clusters of 16 beyond CLUSTER_LOOP_SMEM, the looped tier
     wide = kind in ("int64_11qk", "add_f64_qk") and sk > 100000
     _check_forward(x, m, scale=0.5, what=f"{dtype} Sk={sk} mask {kind}", any_tier=wide)

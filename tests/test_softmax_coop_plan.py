@@ -8,9 +8,8 @@ shared memory holds them; the looped tier takes the rest.
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from helpers import chunk_slot_bytes, plan_of
 
 from drvsoftmax import _compiler, _core, _plan
 
@@ -20,7 +19,6 @@ L40 = _plan.DeviceCaps(89, 101376, 142)
 T4 = _plan.DeviceCaps(75, 65536, 40)
 DTYPES = list(_plan.X_DTYPES)
 ITEM = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
-C_BYTES = {"smx_u8": 1, "smx_u16": 2, "smx_u32": 4, "smx_u64": 8, "smx_f16": 2, "smx_bf16": 2, "float": 4, "double": 8}
 LONG = [16385, 16393, 20000, 32768, 65535, 65536, 100003, 262144, 524288, 1048576, 1048577, 4194305]
 
 
@@ -60,18 +58,8 @@ def test_default_policy_plans_coop_only_where_it_measured_faster(caps):
         assert _plan.plan_backward(8, 2**20, "float32", True, True, caps).tier == "loop"
 
 
-def _slot(mask_kind: str, dtype: str, backward: bool) -> int:
-    """Shared memory per 16-byte chunk of x, from the C types (not the planner's table)."""
-    if backward:
-        return 32
-    m = re.search(r"<(\w+)>", _plan.MASK_KINDS[mask_kind])
-    return 16 + (16 // ITEM[dtype]) * (C_BYTES[m.group(1)] if m else 0)
-
-
-def _plan_of(backward, rows, sk, dtype, mk, aligned, caps):
-    if backward:
-        return _plan.plan_backward(rows, sk, dtype, True, aligned, caps)
-    return _plan.plan_forward(rows, sk, dtype, mk, True, aligned, caps)
+_slot = chunk_slot_bytes
+_plan_of = plan_of
 
 
 def _fits(caps, g, q, reg, slot, sk, n):
