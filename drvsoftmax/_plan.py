@@ -228,12 +228,11 @@ CLUSTER_REG = 4
 # The coop tier (every architecture the package builds for): rows beyond the register tier
 # held on chip by G ordinary blocks that are all resident at once (a cooperative launch),
 # exchanging their pairs through global memory; the same slices as the cluster tier.  It is
-# planned where it measured faster than the looped tier: forwards without a mask on sm_90+
-# whose rows no cluster holds (H200, fp32 rows of 1M keys: 47% of copy against 43%).
-# Elsewhere the looped tier is faster (H200, the coop tier forced where clusters would run,
-# % of copy coop / loop: fp16 forward 65536 keys 49 / 62, with a bool mask 37 / 51, backward
-# 51 / 57; fp32 backward of 1M keys 46 / 53), so masked forwards, backwards and GPUs
-# before sm_90 keep the looped tier unless DRVSOFTMAX_FORCE_COOP asks for it.
+# not planned by default: on the H200 it measured slower than the looped tier wherever the
+# row count fills the GPU (% of copy coop / loop, the coop tier forced where clusters run:
+# fp16 forward 65536 keys 49 / 62, with a bool mask 37 / 51, backward 51 / 57; fp32 forward
+# of 1M keys, 256 rows, 50 / 58), and faster only for few rows (fp32 1M keys, 128 rows:
+# 47 / 43).  DRVSOFTMAX_FORCE_COOP or COOP_WHERE_IT_FITS plan it wherever it holds a row.
 COOP_MIN_CC = 70
 COOP_MAX_BLOCKS = 1024  # blocks per row (the grid's x dimension)
 COOP_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
@@ -241,8 +240,8 @@ COOP_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
 # run (so that both are tested on one sm_90 GPU).  Read at import; tests set FORCE_COOP.
 FORCE_COOP_ENV = "DRVSOFTMAX_FORCE_COOP"
 FORCE_COOP = os.environ.get(FORCE_COOP_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-# True: the coop tier for every long row it holds that no cluster does (masked forwards,
-# backwards and GPUs before sm_90 included), not only where it measured faster.
+# True: the coop tier for every long row it holds that no cluster does (default False: the
+# looped tier, measured faster; see above).
 COOP_WHERE_IT_FITS = False
 
 
@@ -565,7 +564,7 @@ def plan_forward(
             if FORCE_COOP
             else _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
         )
-        if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS or (mask_kind == "none" and caps.clusters)):
+        if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (
                 kernel_fwd_coop(dtype, mask_kind),
                 kernel_fwd_coop(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,

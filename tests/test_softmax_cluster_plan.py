@@ -153,7 +153,7 @@ def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     slot = _slot(mk or "none", dtype, backward)
     qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
     reg = _plan.CLUSTER_REG if backward or mk == "none" else 0
-    after = "coop" if mk == "none" and not backward else "loop"
+    after = "loop"
     if backward or mk != "none":
         # Masked forwards: clusters of 16 up to CLUSTER_LOOP_SMEM per block (they have no
         # register variant).
@@ -178,12 +178,14 @@ def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
     assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 262144, "float32", True, True, H200).tier == "cluster"
-    assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "coop"
+    assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "loop"
 
 
-def test_cluster_grid_beyond_the_launch_limit_takes_the_coop_tier():
+def test_cluster_grid_beyond_the_launch_limit_takes_another_tier(monkeypatch):
     rows = _plan.MAX_GRID // 2 + 1  # 2 blocks per row would pass the limit
+    assert _plan.plan_forward(rows, 20000, "float16", "none", True, True, H200).tier == "loop"
+    monkeypatch.setattr(_plan, "COOP_WHERE_IT_FITS", True)
     p = _plan.plan_forward(rows, 20000, "float16", "none", True, True, H200)
     assert p.tier == "coop" and p.grid <= _plan.COOP_MAX_BLOCKS * _plan.COOP_MAX_GROUPS
 
@@ -285,8 +287,8 @@ def test_explain_plans_for_an_architecture():
     assert drvsoftmax.explain((2, 65536), "float32", mask_dtype="bool", arch="sm_120").startswith("cluster tier")
     for arch in ("sm_75", "sm_80", "sm_89"):
         assert drvsoftmax.explain((2, 8, 65536), "float16", arch=arch).startswith("loop tier")
-    # fp32 rows of 1M keys: no cluster holds them; the coop tier does
-    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90").startswith("coop tier")
+    # fp32 rows of 1M keys: no cluster holds them; the looped tier (the coop tier only when asked)
+    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90").startswith("loop tier")
     assert drvsoftmax.explain((2, 8, 65536), "float16").startswith("loop tier")
     assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^arch must be of the form 'sm_XY'"):
