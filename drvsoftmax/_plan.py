@@ -15,6 +15,7 @@ keeps 2 to 8 loads in flight per thread while filling the chip.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _dtypes
@@ -462,6 +463,21 @@ def whole_chunks(sk: int, itemsize: int, vector: bool, aligned_rows: bool) -> bo
     return vector and aligned_rows and sk % (CHUNK_BYTES // itemsize) == 0
 
 
+def _with_registers(
+    names: tuple[str, str | None], caps: DeviceCaps, shape_of: Callable[[int], tuple[int, int, int] | None]
+) -> tuple[tuple[int, int, int], str, int] | None:
+    """(shape, kernel, chunks per thread in registers) of a long-row tier: every chunk in
+    shared memory (`names[0]`), unless that leaves one block per SM (or does not fit) and
+    the register variant `names[1]`, if any, gives two (or fits at all).  `shape_of(reg)`
+    is the tier's shape with `reg` chunks per thread in registers, or None."""
+    shape = shape_of(0)
+    if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
+        alt = shape_of(CLUSTER_REG)
+        if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
+            return alt, names[1], CLUSTER_REG
+    return None if shape is None else (shape, names[0], 0)
+
+
 def _cluster_plan(
     names: tuple[str, str | None],
     rows: int,
@@ -477,15 +493,10 @@ def _cluster_plan(
     (CLUSTER_REG chunks per thread in registers) if there is one; `big_loses`: a masked
     forward or a backward (see CLUSTER_LOOP_SMEM)."""
     chunks = row_chunks(sk, item, aligned_rows)
-    shape = cluster_shape(chunks, slot_bytes, caps)
-    name, reg = names[0], 0
-    if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
-        alt = cluster_shape(chunks, slot_bytes, caps, CLUSTER_REG)
-        if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
-            shape, name, reg = alt, names[1], CLUSTER_REG
-    if shape is None:
+    picked = _with_registers(names, caps, lambda reg: cluster_shape(chunks, slot_bytes, caps, reg))
+    if picked is None:
         return None
-    cs, q, smem = shape
+    (cs, q, smem), name, reg = picked
     if rows * cs > MAX_GRID:
         return None
     if big_loses and cs == max(CLUSTER_SIZES) and smem > CLUSTER_LOOP_SMEM:
@@ -513,15 +524,10 @@ def _coop_plan(
     """The coop tier's plan, registers taken as in `_cluster_plan`.  Its groups are what
     the SM count surely holds (one without a device); a launch sets them from the device's
     measured occupancy."""
-    shape = coop_shape(sk, item, aligned_rows, slot_bytes, caps)
-    name, reg = names[0], 0
-    if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
-        alt = coop_shape(sk, item, aligned_rows, slot_bytes, caps, CLUSTER_REG)
-        if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
-            shape, name, reg = alt, names[1], CLUSTER_REG
-    if shape is None:
+    picked = _with_registers(names, caps, lambda reg: coop_shape(sk, item, aligned_rows, slot_bytes, caps, reg))
+    if picked is None:
         return None
-    g, q, smem = shape
+    (g, q, smem), name, reg = picked
     cap = caps.sm_count * blocks_per_sm(smem, caps) if caps.sm_count else g
     groups = coop_groups(rows, g, cap)
     chunks = row_chunks(sk, item, aligned_rows)
