@@ -10,8 +10,9 @@
 // row with no visible key is all zeros.  Score modifiers are steps of VALUES.
 //
 // Kernels:
-//   smx_fwd<T, M, NCH, RPT>   a row in registers: tpr threads (1..256) x NCH chunks, RPT
-//                             rows per thread.  Up to NCH * 256 chunks per row.
+//   smx_fwd<T, M, NCH, RPT>   a row in registers: tpr threads (1..512) x NCH chunks, RPT
+//                             rows per thread.  16-bit kernels of 8 chunks are lean (see
+//                             SMX_HELD_VALUES): raw chunks held, values computed per pass.
 //   smx_fwd_loop<T, M, NCH>   a block per row, any length: a pass for (max, sum), a pass
 //                             that reloads and writes.
 // Unaligned rows (odd Sk) keep 16-byte accesses: chunks follow the 16-byte grid of the
@@ -271,8 +272,113 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   }
 }
 
+// Values a thread holds as fp32 at once.  Kernels of more ("lean" kernels: 16-bit x, 8
+// chunks per thread, 64 values) keep only the raw chunks, half the registers, and compute
+// each chunk's values afresh in each of three passes (max; sum; store): twice the loads in
+// flight per register of the 4-chunk kernels, for a second exp2 per element.
+#define SMX_HELD_VALUES 32
+// Lean kernels are held to two 512-thread blocks per SM (64 registers: four blocks of the
+// at most 256 threads they run with).  On sm_100 and later ptxas spills them heavily at 64,
+// so there they keep the usual cap.
+#if __CUDA_ARCH__ >= 1000
+#define SMX_LEAN_MIN_BLOCKS 0
+#else
+#define SMX_LEAN_MIN_BLOCKS 2
+#endif
+
+// The raw chunks, as if changed: XORed with `z`, a zero the compiler cannot know (a flag
+// bit never set), so values computed from them before cannot be reused after (the
+// compiler would keep them live instead of computing them again).
+template <typename T, class M, int NCH, int RPT>
+__device__ __forceinline__ void smx_fwd_opaque(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
+                                               int& c0, int& tpr, smx_u32 z) {
+  enum { MW = sizeof(cm[0][0].b.w) / 4 };
+  // The chunk indices too: each is cheaper to compute again than to keep.
+  c0 ^= (int)z;
+  tpr ^= (int)z;
+#pragma unroll
+  for (int r = 0; r < RPT; ++r)
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cx[r][k].w[i] ^= z;
+      if (M::PRESENT) {
+#pragma unroll
+        for (int i = 0; i < MW; ++i) cm[r][k].b.w[i] ^= z;
+      }
+    }
+}
+
+// VALUES of chunk k of row r alone (the lean kernels' passes).
 template <typename T, class M, int NCH, int RPT, bool AL>
-__global__ void __launch_bounds__(SMX_BLOCK)
+__device__ __forceinline__ float smx_fwd_chunk(float (&v)[1][1][Chunk<T>::N], const Chunk<T> (&cx)[RPT][NCH],
+                                               const MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
+                                               const FwdRow<T, M> (&rw)[RPT], int r, int k, int c0, int tpr,
+                                               float scale) {
+  const Chunk<T> a[1][1] = {{cx[r][k]}};
+  MaskChunk<M, Chunk<T>::N> b[1][1];
+  if (M::PRESENT) b[0][0] = cm[r][k];
+  const FwdRow<T, M> w[1] = {rw[r]};
+  float mx[1];
+  smx_fwd_values<T, M, 1, 1, AL>(v, mx, a, b, w, c0 + k * tpr, tpr, scale);
+  return mx[0];
+}
+
+// The forward after LOAD, for kernels that hold raw chunks only (see SMX_HELD_VALUES).
+template <typename T, class M, int NCH, int RPT, bool AL>
+__device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
+                                              FwdRow<T, M> (&rw)[RPT], const bool (&act)[RPT], int c0, int tpr,
+                                              const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
+  enum { N = Chunk<T>::N };
+  float mx[RPT], s[RPT], fac[RPT], ml[RPT];
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    mx[r] = -SMX_INF;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      float v[1][1][N];
+      mx[r] = fmaxf(mx[r], smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale));
+    }
+  }
+  smx_warp_allreduce<OpMax, RPT>(mx, tpr);
+  smx_fwd_opaque<T, M, NCH, RPT>(cx, cm, c0, tpr, (smx_u32)p.flags & SMX_F_ZERO);
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    ml[r] = smx_max_use(mx[r]) * SMX_LOG2E;
+    s[r] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      float v[1][1][N];
+      smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale);
+#pragma unroll
+      for (int e = 0; e < N; ++e) s[r] += smx_exp2(fmaf(v[0][0][e], SMX_LOG2E, -ml[r]));
+    }
+  }
+  smx_warp_allreduce<OpSum, RPT>(s, tpr);
+  smx_row_stats<RPT>(mx, s, fac, tpr, red);
+  smx_fwd_opaque<T, M, NCH, RPT>(cx, cm, c0, tpr, (smx_u32)p.flags & SMX_F_ZERO);
+  if (!AL) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) rw[r].cs1 = smx_fwd_cs1(rw[r], p);
+  }
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    const FwdRow<T, M> w[1] = {rw[r]};
+    const bool a[1] = {act[r]};
+    const float f[1] = {fac[r]};
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      float v[1][1][N];
+      smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale);
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[0][0][e] = smx_exp2(fmaf(v[0][0][e], SMX_LOG2E, -ml[r]));
+      smx_fwd_store<T, M, 1, 1, AL>(v, f, w, a, c0 + k * tpr, tpr, p);
+    }
+  }
+}
+
+template <typename T, class M, int NCH, int RPT, bool AL>
+__global__ void __launch_bounds__(SMX_BLOCK, NCH * Chunk<T>::N > SMX_HELD_VALUES ? SMX_LEAN_MIN_BLOCKS : 0)
 smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask, const void* __restrict__ klen,
         const SmxFwdParams p) {
   enum { N = Chunk<T>::N };
@@ -293,6 +399,10 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   MaskChunk<M, N> cm[RPT][NCH];
   smx_fwd_load<T, M, NCH, RPT, AL>(cx, cm, rw, lane, tpr, p, x, (const typename M::S*)mask);
 
+  if (NCH * N > SMX_HELD_VALUES) {
+    smx_fwd_lean<T, M, NCH, RPT, AL>(cx, cm, rw, act, lane, tpr, p, red);
+    return;
+  }
   float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
   smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
   smx_warp_allreduce<OpMax, RPT>(mx, tpr);

@@ -13,6 +13,7 @@ typedef unsigned int smx_u32;
 #define SMX_F_MVEC 16  // mask rows are unit-stride: chunk-wide mask accesses where a row's alignment allows
 #define SMX_F_SMALL 32  // rows and every row-map quantity are below 2**31: 32-bit magic division
 #define SMX_F_SAMEMAP 64  // y (dy, dx) rows sit where x's (y's) do: one row map serves them all
+#define SMX_F_ZERO 1073741824  // never set: the kernels read it as a zero the compiler cannot know
 
 typedef struct SmxRowMap {
   smx_i64 div[6];  // row / div ...

@@ -190,15 +190,19 @@ static inline smx_i64 smx_row_chunks(smx_i64 sk, int itemsize, int aligned_rows)
 
 // Tier, chunks and rows per thread, threads per row, block and grid for rows of sk elements.
 // skip_nch: a table row of that many chunks per thread is not taken (0: none; the forward
-// of fp32 x with a mask of 4 or more bytes per element skips the 4-chunk row).
+// of fp32 x with a mask of 4 or more bytes per element skips the 4-chunk row).  lean: a
+// forward of 16-bit x without a mask on whole-chunk rows: rows of more than SMX_LEAN_FROM
+// chunks take SMX_LEAN_NCH chunks per thread (the lean kernels).
 static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
-                                    int skip_nch, SmxLaunch* l) {
+                                    int skip_nch, int lean, SmxLaunch* l) {
   smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
   const smx_i64 cap = smx_max_chunks(itemsize);
   if (chunks < 1) chunks = 1;
   const int nrows = backward ? SMX_BWD_TABLE_ROWS : SMX_FWD_TABLE_ROWS;
-  for (int i = 0; i < nrows; ++i) {
-    const int* r = backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
+  const int lean_row[3] = {(int)cap, SMX_LEAN_NCH, 1};
+  const int use_lean = lean && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
+  for (int i = 0; i < (use_lean ? 1 : nrows); ++i) {
+    const int* r = use_lean ? lean_row : backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
     const smx_i64 limit = r[0] < cap ? r[0] : cap;
     if (r[1] != skip_nch && chunks <= limit) {
       const smx_i64 need = smx_ceil_div(chunks, r[1]), warps = smx_ceil_div(need, 32) * 32;
@@ -245,7 +249,8 @@ static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
   const int skip = item == 4 && smx_mask_itemsize(mask_kind) >= 4 ? SMX_WIDE_MASK_SKIPS_NCH : 0;
-  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, l);
+  const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && whole;
+  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
@@ -260,7 +265,7 @@ static inline int smx_plan_backward(smx_i64 rows, smx_i64 sk, int dtype, int vec
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES) return SMX_ERR_ARG;
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows);
-  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, l);
+  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, 0, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
@@ -663,6 +668,8 @@ def c_api_header() -> str:
         "}",
         f"#define SMX_MAX_GRID {_plan.MAX_GRID}LL",
         f"#define SMX_WIDE_MASK_SKIPS_NCH {_plan.WIDE_MASK_SKIPS_NCH}  // see smx_choose_shape",
+        f"#define SMX_LEAN_FROM {_plan.LEAN_FROM}  // see smx_choose_shape",
+        f"#define SMX_LEAN_NCH {_plan.LEAN_NCH}",
         f"#define SMX_MAX_SK {2**31 - 1}LL  // row length limit (row-internal indices are 32-bit)",
         f"#define SMX_MASK_REUSE_BYTES {_core.MASK_REUSE_BYTES}LL  // see smx_mask_row_order",
         "// Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C",

@@ -61,6 +61,7 @@ FLAGS = {
     "MVEC": (16, "mask rows are unit-stride: chunk-wide mask accesses where a row's alignment allows"),
     "SMALL": (32, "rows and every row-map quantity are below 2**31: 32-bit magic division"),
     "SAMEMAP": (64, "y (dy, dx) rows sit where x's (y's) do: one row map serves them all"),
+    "ZERO": (1 << 30, "never set: the kernels read it as a zero the compiler cannot know"),
 }
 
 FWD_FIELDS = (

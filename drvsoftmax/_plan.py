@@ -90,6 +90,24 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
     return itemsize == 4 and MASK_ITEMSIZE[mask_kind] >= 4
 
 
+# 16-bit x without a mask, whole-chunk rows of more than LEAN_FROM chunks (Sk > 1024): 8
+# chunks per thread, held raw ("lean" kernels: each pass computes a chunk's values afresh,
+# see SMX_HELD_VALUES in softmax_fwd.cu), twice the loads in flight of the 4-chunk row at
+# the same 64 registers.  Measured on the H200, % of copy, fp16 / bf16, 4-chunk row -> lean:
+# Sk 2048 95.3 -> 97.5 / 94.7 -> 94.6; 4096 94.8 -> 97.9 / 93.9 -> 96.1; 8192 92.6 -> 97.7 /
+# 91.7 -> 95.6; 12000 72.9 -> 89.8 / 71.7 -> 87.5; 16384 82.4 -> 96.7 / 81.8 -> 94.5; at
+# Sk 1000 the 4-chunk row wins (98.8 / 99.0 against 96.9 / 92.0).  With a mask, or rows off
+# the chunk grid, the lean kernels spill (the mask's raw chunks, the per-element path): 25-55%.
+LEAN_FROM = 128
+LEAN_NCH = 8
+
+
+def lean_rows(itemsize: int, mask_kind: str, whole: bool) -> bool:
+    """A forward of x of `itemsize` bytes with this mask kind on whole-chunk rows takes the
+    lean kernels beyond LEAN_FROM chunks per row."""
+    return itemsize == 2 and mask_kind == "none" and whole
+
+
 def _configs(
     table: tuple[tuple[int, int, int, str], ...], itemsize: int, wide: bool = False
 ) -> list[tuple[int, int, int, str]]:
@@ -140,6 +158,8 @@ def _fwd_names(dt: str, mk: str, item: int) -> list[str]:
     names = [kernel_fwd(dt, mk, nch, rpt) for _, nch, rpt, _ in configs]
     if mk in al_mask_kinds(dt):
         names += [kernel_fwd(dt, mk, nch, rpt, True) for _, nch, rpt, _ in configs]
+    if lean_rows(item, mk, True):
+        names.append(kernel_fwd(dt, mk, LEAN_NCH, 1, True))
     return names
 
 
@@ -424,12 +444,16 @@ def choose_shape(
     aligned_rows: bool = True,
     whole: bool = False,
     wide: bool = False,
+    lean: bool = False,
 ) -> tuple[str, int, int, int, int, int, str]:
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements;
     `whole`: every row is whole 16-byte chunks (the AL kernels' table); `wide`: a forward
-    with a wide mask (`wide_mask`)."""
+    with a wide mask (`wide_mask`); `lean`: a forward that may take the lean kernels
+    (`lean_rows`)."""
     chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
     table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize, wide and not backward)
+    if lean and not backward and LEAN_FROM < chunks <= MAX_CHUNKS[itemsize]:
+        table = [(MAX_CHUNKS[itemsize], LEAN_NCH, 1, "C/8, lean (values computed afresh in each pass)")]
     for limit, nch, rpt, rule in table:
         if chunks <= limit:
             need = _ceil_div(chunks, nch)
@@ -557,7 +581,7 @@ def plan_forward(
     aligned_rows = aligned_rows or not vector
     whole = whole_chunks(sk, item, vector, aligned_rows) and mask_whole and mask_kind in al_mask_kinds(dtype)
     tier, nch, rpt, t, block, grid, reason = choose_shape(
-        rows, sk, item, False, aligned_rows, whole, wide_mask(item, mask_kind)
+        rows, sk, item, False, aligned_rows, whole, wide_mask(item, mask_kind), lean_rows(item, mask_kind, whole)
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]

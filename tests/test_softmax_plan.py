@@ -107,6 +107,50 @@ def test_boundary_configs(dtype, backward, sk, aligned, whole, fcfg, bcfg, tpr):
     assert plan.vector is True
 
 
+# 16-bit forwards without a mask on whole-chunk rows of more than LEAN_FROM chunks: the
+# lean kernels (8 chunks per thread, values computed afresh in each pass).
+#   (Sk, threads per row, block)
+LEAN_CASES = [
+    (1024, 32, 128, False),  # 128 chunks: still the 4-chunk row
+    (1032, 32, 128, True),  # 129 chunks / 8
+    (2048, 32, 128, True),
+    (4096, 64, 256, True),
+    (12000, 192, 192, True),  # 1500 chunks: 188 threads, a block of 6 warps per row
+    (16376, 256, 256, True),
+    (16384, 256, 256, True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sk,tpr,block,lean", LEAN_CASES)
+def test_lean_kernels_take_long_16bit_rows_without_a_mask(dtype, sk, tpr, block, lean):
+    t = _plan.X_DTYPES[dtype][0]
+    plan = _plan.plan_forward(1000, sk, dtype, "none", True, True)
+    nch = _plan.LEAN_NCH if lean else 4
+    assert plan.tier == "register" and plan.whole and (plan.nch, plan.rpt) == (nch, 1), plan
+    assert plan.kernel == f"smx_fwd<{t}, MaskNone, {nch}, 1, true>"
+    assert (_tpr(plan), plan.block) == (tpr, block), plan
+    assert plan.grid == -(-1000 // (block // tpr))
+    assert plan.kernel in _plan.packaged_kernel_names()
+    # Not lean: a mask, rows off the chunk grid, element-wise access, fp32, the backward.
+    for other in (
+        _plan.plan_forward(1000, sk, dtype, "hide1", True, True),
+        _plan.plan_forward(1000, sk, dtype, f"add_{dtype}", True, True),
+        _plan.plan_forward(1000, sk, dtype, "none", True, False),
+        _plan.plan_forward(1000, sk, dtype, "none", False, True),
+        _plan.plan_backward(1000, sk, dtype, True, True),
+    ):
+        assert other.nch == 4, other
+    assert _plan.plan_forward(1000, sk + 1, dtype, "none", True, True).nch == 4  # 4097 etc.: general kernels
+
+
+def test_lean_rows_are_16bit_without_a_mask_on_whole_chunks():
+    assert _plan.lean_rows(2, "none", True)
+    assert not _plan.lean_rows(2, "none", False)
+    assert not _plan.lean_rows(4, "none", True)
+    assert not any(_plan.lean_rows(2, mk, True) for mk in _plan.MASK_KINDS if mk != "none")
+
+
 def test_whole_chunk_kernels_need_every_operand_whole():
     """A mask that is not read a chunk at a time, a mask kind without whole-chunk kernels,
     element-wise access or rows off the grid: the general kernel."""

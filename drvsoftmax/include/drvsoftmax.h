@@ -41,6 +41,7 @@ typedef unsigned int smx_u32;
 #define SMX_F_MVEC 16  // mask rows are unit-stride: chunk-wide mask accesses where a row's alignment allows
 #define SMX_F_SMALL 32  // rows and every row-map quantity are below 2**31: 32-bit magic division
 #define SMX_F_SAMEMAP 64  // y (dy, dx) rows sit where x's (y's) do: one row map serves them all
+#define SMX_F_ZERO 1073741824  // never set: the kernels read it as a zero the compiler cannot know
 
 typedef struct SmxRowMap {
   smx_i64 div[6];  // row / div ...
@@ -321,6 +322,8 @@ static inline smx_i64 smx_max_chunks(int itemsize) {
 }
 #define SMX_MAX_GRID 2147483647LL
 #define SMX_WIDE_MASK_SKIPS_NCH 4  // see smx_choose_shape
+#define SMX_LEAN_FROM 128  // see smx_choose_shape
+#define SMX_LEAN_NCH 8
 #define SMX_MAX_SK 2147483647LL  // row length limit (row-internal indices are 32-bit)
 #define SMX_MASK_REUSE_BYTES 33554432LL  // see smx_mask_row_order
 // Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C
@@ -363,13 +366,14 @@ static inline int smx_al_mask_kind(int dtype, int mask_kind) {
 
 // The kernels the wheel's cubins hold (register tier; none, bool/8-bit and x-dtype additive
 // masks).  For any other kernel: `python build_ptx.py --arch sm_XY --kernels NAME --out DIR`.
-#define SMX_NUM_PACKAGED_KERNELS 54
+#define SMX_NUM_PACKAGED_KERNELS 56
 static inline const char* smx_packaged_kernel(int i) {
   static const char* const k[SMX_NUM_PACKAGED_KERNELS] = {
       "smx_fwd<smx_f16, MaskNone, 2, 1, false>",
       "smx_fwd<smx_f16, MaskNone, 4, 1, false>",
       "smx_fwd<smx_f16, MaskNone, 2, 1, true>",
       "smx_fwd<smx_f16, MaskNone, 4, 1, true>",
+      "smx_fwd<smx_f16, MaskNone, 8, 1, true>",
       "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, false>",
       "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, false>",
       "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, true>",
@@ -386,6 +390,7 @@ static inline const char* smx_packaged_kernel(int i) {
       "smx_fwd<smx_bf16, MaskNone, 4, 1, false>",
       "smx_fwd<smx_bf16, MaskNone, 2, 1, true>",
       "smx_fwd<smx_bf16, MaskNone, 4, 1, true>",
+      "smx_fwd<smx_bf16, MaskNone, 8, 1, true>",
       "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 1, false>",
       "smx_fwd<smx_bf16, MaskHide<smx_u8>, 4, 1, false>",
       "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 1, true>",
@@ -486,15 +491,19 @@ static inline smx_i64 smx_row_chunks(smx_i64 sk, int itemsize, int aligned_rows)
 
 // Tier, chunks and rows per thread, threads per row, block and grid for rows of sk elements.
 // skip_nch: a table row of that many chunks per thread is not taken (0: none; the forward
-// of fp32 x with a mask of 4 or more bytes per element skips the 4-chunk row).
+// of fp32 x with a mask of 4 or more bytes per element skips the 4-chunk row).  lean: a
+// forward of 16-bit x without a mask on whole-chunk rows: rows of more than SMX_LEAN_FROM
+// chunks take SMX_LEAN_NCH chunks per thread (the lean kernels).
 static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
-                                    int skip_nch, SmxLaunch* l) {
+                                    int skip_nch, int lean, SmxLaunch* l) {
   smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
   const smx_i64 cap = smx_max_chunks(itemsize);
   if (chunks < 1) chunks = 1;
   const int nrows = backward ? SMX_BWD_TABLE_ROWS : SMX_FWD_TABLE_ROWS;
-  for (int i = 0; i < nrows; ++i) {
-    const int* r = backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
+  const int lean_row[3] = {(int)cap, SMX_LEAN_NCH, 1};
+  const int use_lean = lean && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
+  for (int i = 0; i < (use_lean ? 1 : nrows); ++i) {
+    const int* r = use_lean ? lean_row : backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
     const smx_i64 limit = r[0] < cap ? r[0] : cap;
     if (r[1] != skip_nch && chunks <= limit) {
       const smx_i64 need = smx_ceil_div(chunks, r[1]), warps = smx_ceil_div(need, 32) * 32;
@@ -541,7 +550,8 @@ static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
   const int skip = item == 4 && smx_mask_itemsize(mask_kind) >= 4 ? SMX_WIDE_MASK_SKIPS_NCH : 0;
-  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, l);
+  const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && whole;
+  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
@@ -556,7 +566,7 @@ static inline int smx_plan_backward(smx_i64 rows, smx_i64 sk, int dtype, int vec
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES) return SMX_ERR_ARG;
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows);
-  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, l);
+  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, 0, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
