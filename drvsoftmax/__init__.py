@@ -241,4 +241,4 @@ def explain(
     ra = _core.rows_aligned(ops, shape[:-1], _core.CHUNK_ELEMS[itemsize])
     if backward:
         return _plan.plan_backward(rows, shape[-1], dt, vec, ra, caps).describe()
-    return _plan.plan_forward(rows, shape[-1], dt, kind, vec, ra, caps).describe()
+    return _plan.plan_forward(rows, shape[-1], dt, kind, vec, ra, caps, causal=causal).describe()

@@ -241,15 +241,16 @@ static inline int smx_whole_chunks(smx_i64 sk, int itemsize, int vector, int ali
 // The forward's kernel and launch shape.  vector: 16-byte accesses are possible (SMX_F_VEC);
 // aligned_rows: every row of x and y starts on a 16-byte boundary; mask_whole: the mask (if
 // any) can be read a chunk at a time (16-byte aligned pointer, unit key stride, every mask row
-// on the grid of its chunk width: smx_fill_forward works it out).
+// on the grid of its chunk width: smx_fill_forward works it out); causal: a causal forward
+// (it never takes the lean kernels).
 static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask_kind, int vector, int aligned_rows,
-                                   int mask_whole, SmxLaunch* l) {
+                                   int mask_whole, int causal, SmxLaunch* l) {
   memset(l, 0, sizeof(*l));
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES || mask_kind < 0 || mask_kind >= SMX_NUM_MASK_KINDS) return SMX_ERR_ARG;
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
   const int skip = item == 4 && smx_mask_itemsize(mask_kind) >= 4 ? SMX_WIDE_MASK_SKIPS_NCH : 0;
-  const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && whole;
+  const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && whole && !causal;
   smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
@@ -547,7 +548,7 @@ static inline int smx_fill_forward(const SmxFwdDesc* d, SmxFwdParams* p, SmxLaun
     const int vec = d->aligned && smx_vector_ok(2, ops, nd, d->shape, item);
     const int aligned_rows = smx_rows_aligned(2, ops, nl, d->shape, SMX_CHUNK_BYTES / item);
     if (vec) flags |= SMX_F_VEC;
-    err = smx_plan_forward(rows, d->shape[nd - 1], d->dtype, d->mask_kind, vec, aligned_rows, mask_whole, l);
+    err = smx_plan_forward(rows, d->shape[nd - 1], d->dtype, d->mask_kind, vec, aligned_rows, mask_whole, d->causal, l);
   }
   p->flags = flags;
   p->tpr_log2 = l->tpr_log2;

@@ -345,7 +345,7 @@ def forward_params(
     if vec:
         flags |= F_VEC
     ra = rows_aligned([x, y], lead, CHUNK_ELEMS[itemsize])
-    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, ra, caps, mask_whole)
+    plan = _plan.plan_forward(rows, sk, x.dtype, mask_kind, vec, ra, caps, mask_whole, causal)
     v["flags"] = flags
     v["tpr_log2"] = plan.tpr_log2
     return v, plan

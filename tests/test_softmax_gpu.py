@@ -161,16 +161,18 @@ def test_mask_shared_by_heads_in_head_inner_row_order(monkeypatch, dtype, sk, ma
 @pytest.mark.parametrize("sk", [1032, 2048, 4096, 12000, 16376, 16384])
 def test_lean_kernels_with_every_row_source(dtype, sk):
     """The lean kernels (16-bit, no mask, whole-chunk rows beyond 1024 keys: values computed
-    afresh in each pass) with causal rows, key_lengths (0, short, beyond Sk), a negative
-    scale, scores far from 0, and rows holding NaN and +inf."""
+    afresh in each pass) with key_lengths (0, short, beyond Sk), a negative scale, scores far
+    from 0, and rows holding NaN and +inf; causal rows take the 4-chunk kernels."""
     from drvsoftmax import _plan
 
     assert _plan.plan_forward(64, sk, dtype, "none", True, True).nch == _plan.LEAN_NCH
+    assert _plan.plan_forward(64, sk, dtype, "none", True, True, causal=True).nch == 4
     b, h, q = 4, 2, 3
     x = _rand((b, h, q, sk), DTYPES[dtype])
     kl = torch.tensor([sk, max(1, sk // 3), 0, sk + 5], dtype=torch.int32, device="cuda")
     _check_forward(x, scale=0.7, what=f"lean {dtype} Sk={sk}")
-    _check_forward(x, scale=-1.3, causal=True, key_lengths=kl, what=f"lean {dtype} Sk={sk} causal klen")
+    _check_forward(x, scale=-1.3, key_lengths=kl, what=f"lean {dtype} Sk={sk} klen")
+    _check_forward(x, scale=0.9, causal=True, key_lengths=kl, what=f"{dtype} Sk={sk} causal klen")
     _check_forward(x + 200.0, scale=0.5, what=f"lean {dtype} Sk={sk} shifted")
     xs = x.clone()
     xs[0, 0, 0, sk // 2] = float("nan")

@@ -132,8 +132,9 @@ def test_lean_kernels_take_long_16bit_rows_without_a_mask(dtype, sk, tpr, block,
     assert (_tpr(plan), plan.block) == (tpr, block), plan
     assert plan.grid == -(-1000 // (block // tpr))
     assert plan.kernel in _plan.packaged_kernel_names()
-    # Not lean: a mask, rows off the chunk grid, element-wise access, fp32, the backward.
+    # Not lean: a mask, causal, rows off the chunk grid, element-wise access, the backward.
     for other in (
+        _plan.plan_forward(1000, sk, dtype, "none", True, True, causal=True),
         _plan.plan_forward(1000, sk, dtype, "hide1", True, True),
         _plan.plan_forward(1000, sk, dtype, f"add_{dtype}", True, True),
         _plan.plan_forward(1000, sk, dtype, "none", True, False),
@@ -147,6 +148,7 @@ def test_lean_kernels_take_long_16bit_rows_without_a_mask(dtype, sk, tpr, block,
 def test_lean_rows_are_16bit_without_a_mask_on_whole_chunks():
     assert _plan.lean_rows(2, "none", True)
     assert not _plan.lean_rows(2, "none", False)
+    assert not _plan.lean_rows(2, "none", True, causal=True)
     assert not _plan.lean_rows(4, "none", True)
     assert not any(_plan.lean_rows(2, mk, True) for mk in _plan.MASK_KINDS if mk != "none")
 
