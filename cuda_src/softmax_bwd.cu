@@ -144,7 +144,11 @@ __device__ __forceinline__ void smx_bwd_store(const Chunk<T> (&cd)[RPT][NCH], co
       } else if (smx_in(c, rw[r].c0, rw[r].c1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
         smx_st16(rw[r].dx + j0, ch.raw);
       } else if (j0 < p.sk && j0 + N > 0) {
-        smx_scatter<sizeof(T), 4>(rw[r].dx, p.sdx, ch.w, j0, p.sk, N);
+        if (vec) {  // as the forward's STORE
+          smx_st_part(rw[r].dx + j0, ch.w, max(0, -j0) * (int)sizeof(T), min(N, p.sk - j0) * (int)sizeof(T));
+        } else {
+          smx_scatter<sizeof(T), 4>(rw[r].dx, p.sdx, ch.w, j0, p.sk, N);
+        }
       }
     }
   }

@@ -237,6 +237,47 @@ __device__ __forceinline__ void smx_scatter(void* row, smx_i64 st, const smx_u32
   }
 }
 
+// Bytes [lo, hi) (even, 0 <= lo < hi <= 16) of a 16-byte chunk held in w, stored into the
+// 16-byte block at `blk`: a row's partial first or last chunk in a unit-stride row, without
+// touching the neighbouring row's bytes.  Aligned 2-, 4- and 8-byte stores, at most five:
+// up from lo to the next 16-byte boundary, then down to hi.
+__device__ __forceinline__ smx_u32 smx_word(const smx_u32 (&w)[4], int i) {
+  return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
+}
+__device__ __forceinline__ void smx_st2(char* p, smx_u32 v) {
+  asm volatile("st.global" SMX_ST_HINT ".u16 [%0], %1;" ::"l"(p), "h"((unsigned short)v) : "memory");
+}
+__device__ __forceinline__ void smx_st4(char* p, smx_u32 v) {
+  asm volatile("st.global" SMX_ST_HINT ".u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void smx_st8(char* p, smx_u32 a, smx_u32 b) {
+  asm volatile("st.global" SMX_ST_HINT ".v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+}
+__device__ __forceinline__ void smx_st_part(void* block, const smx_u32 (&w)[4], int lo, int hi) {
+  char* b = (char*)block;
+  if ((lo & 2) && lo + 2 <= hi) {
+    smx_st2(b + lo, smx_word(w, lo >> 2) >> 16);  // lo = 2 mod 4: the upper half of its word
+    lo += 2;
+  }
+  if ((lo & 4) && lo + 4 <= hi) {
+    smx_st4(b + lo, smx_word(w, lo >> 2));
+    lo += 4;
+  }
+  if ((lo & 8) && lo + 8 <= hi) {
+    smx_st8(b + 8, w[2], w[3]);
+    lo += 8;
+  }
+  if (lo + 8 <= hi) {  // lo is 0 or 8 here
+    smx_st8(b + lo, smx_word(w, lo >> 2), smx_word(w, (lo >> 2) + 1));
+    lo += 8;
+  }
+  if (lo + 4 <= hi) {
+    smx_st4(b + lo, smx_word(w, lo >> 2));
+    lo += 4;
+  }
+  if (lo + 2 <= hi) smx_st2(b + lo, smx_word(w, lo >> 2) & 0xffffu);  // lo = 0 mod 4 here
+}
+
 // ---------------------------------------------------------------------------------
 // Which rows of a block a thread works on.  Threads per row tpr = 2^tpr_log2, rows of the
 // block side by side; where 2^tpr_log2 exceeds the block, the block is one row of

@@ -222,7 +222,11 @@ __device__ __forceinline__ void smx_fwd_store(const float (&v)[RPT][NCH][Chunk<T
       } else if (smx_in(c, rw[r].c0, rw[r].cs1) || (vec && j0 >= 0 && j0 + N <= p.sk)) {
         smx_st16(rw[r].y + j0, ch.raw);
       } else if (j0 < p.sk && j0 + N > 0) {
-        smx_scatter<sizeof(T), 4>(rw[r].y, p.sy, ch.w, j0, p.sk, N);
+        if (vec) {  // a row's partial first or last chunk: the row's bytes of its 16-byte block
+          smx_st_part(rw[r].y + j0, ch.w, max(0, -j0) * (int)sizeof(T), min(N, p.sk - j0) * (int)sizeof(T));
+        } else {
+          smx_scatter<sizeof(T), 4>(rw[r].y, p.sy, ch.w, j0, p.sk, N);
+        }
       }
     }
   }

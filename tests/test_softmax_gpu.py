@@ -320,3 +320,39 @@ def test_backward_grid(dtype, sk):
     assert np.all(np.abs(got - ref) <= tol * scale_ref + 1e-7), f"{dtype} Sk={sk}: backward mismatch"
     assert np.all(got[_np(y) == 0] == 0), "hidden positions must get exactly 0"
     assert torch.equal(dy, dy_before) and torch.equal(y, y_before), "dy and y must not be written"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk,gap", [(7, 3), (77, 5), (197, 3), (1001, 1), (4097, 7)])
+def test_partial_chunks_leave_the_gaps_between_rows_alone(dtype, sk, gap):
+    """Rows `gap` elements apart in memory and off the 16-byte grid: each row's partial
+    first and last chunk is stored without its neighbours' bytes (16-byte accesses where
+    whole, aligned 2/4/8-byte stores for the rest); the gaps keep their poison, forward and
+    backward."""
+    t = DTYPES[dtype]
+    b, h, q = 2, 3, 5
+    poison = 7.0
+
+    def padded(fill=None):
+        buf = torch.full((b, h, q, sk + gap), poison, dtype=t, device="cuda")
+        if fill is not None:
+            buf[..., :sk] = fill
+        return buf, buf[..., :sk]
+
+    _, x = padded(_rand((b, h, q, sk), t))
+    ybuf, y = padded()
+    got = drvsoftmax.scaled_masked_softmax(x, scale=0.7, out=y)
+    assert got is y
+    torch.cuda.synchronize()
+    assert_matches(_np(y), _reference.softmax_forward(_np(x), None, 0.7, False, None), dtype, f"{dtype} Sk={sk} padded")
+    assert torch.all(ybuf[..., sk:] == poison), "a forward store reached into the gap between rows"
+
+    _, dy = padded(_rand((b, h, q, sk), t, 1.0))
+    dxbuf, dx = padded()
+    drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.7, out=dx)
+    torch.cuda.synchronize()
+    ref = _reference.softmax_backward(_np(dy), _np(y), 0.7)
+    mag = np.abs(_np(y)) * (np.abs(_np(dy)) + np.abs((_np(dy) * _np(y)).sum(-1, keepdims=True))) * 0.7
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5}[dtype]
+    assert np.all(np.abs(_np(dx) - ref) <= tol * mag + 1e-7), f"{dtype} Sk={sk}: padded backward mismatch"
+    assert torch.all(dxbuf[..., sk:] == poison), "a backward store reached into the gap between rows"
