@@ -583,7 +583,14 @@ def plan_forward(
     aligned_rows = aligned_rows or not vector
     whole = whole_chunks(sk, item, vector, aligned_rows) and mask_whole and mask_kind in al_mask_kinds(dtype)
     tier, nch, rpt, t, block, grid, reason = choose_shape(
-        rows, sk, item, False, aligned_rows, whole, wide_mask(item, mask_kind), lean_rows(item, mask_kind, whole, causal)
+        rows,
+        sk,
+        item,
+        False,
+        aligned_rows,
+        whole,
+        wide_mask(item, mask_kind),
+        lean_rows(item, mask_kind, whole, causal),
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
