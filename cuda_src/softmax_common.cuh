@@ -239,7 +239,7 @@ __device__ __forceinline__ void smx_scatter(void* row, smx_i64 st, const smx_u32
 
 // Bytes [lo, hi) (even, 0 <= lo < hi <= 16) of a 16-byte chunk held in w, stored into the
 // 16-byte block at `blk`: a row's partial first or last chunk in a unit-stride row, without
-// touching the neighbouring row's bytes.  Aligned 2-, 4- and 8-byte stores, at most five:
+// touching the neighbouring row's bytes.  Aligned 2-, 4- and 8-byte stores, at most four:
 // up from lo to the next 16-byte boundary, then down to hi.
 __device__ __forceinline__ smx_u32 smx_word(const smx_u32 (&w)[4], int i) {
   return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];

@@ -67,17 +67,36 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 #   a store and a load per thread).  The fp16 one fits.  Measured on the H200 against the
 #   4-chunk kernel without spills: 94.5 against 81.8% of copy at Sk 16384, 95.6 against
 #   91.7 at 8192.
+# - the STORE of a row's partial first and last chunk as aligned 2/4/8-byte pieces (rows off
+#   the 16-byte grid: at most 4 stores where there were up to 7 element stores; on the H200
+#   Sk 4097 forward 68 -> 72% of copy fp16, 85 -> 94% fp32, backward 92 -> 98% bf16) keeps
+#   a few more values live: 4-12 bytes of spills in the general fp32 kernels of 2 chunks with
+#   a 1- or 2-byte mask on sm_86/89, in the looped fp32 kernels with a 4-byte mask on sm_90,
+#   4 more bytes in the backward's general 16-bit kernel of 2 rows x 2 chunks on sm_100/120,
+#   and in the 8-byte-mask kernels below (NVRTC 13.5; those entries are 13.5's figures).
 # - 8-byte masks (int64/uint64/float64, rare): a mask chunk is 2 to 4 times x's, so these
 #   kernels hold the most raw registers in flight, at the caps above (sm_100's looped tier:
 #   128) or at the hard 128 of a 512-thread row (fp32 rows of 8 chunks: 32 registers of x,
 #   64 of mask).
+# sm_86 and sm_89 (the same SM: 1536 threads, 64K registers) report the same.
+_SM86_89: dict[str, tuple[int, int, int]] = {
+    "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
+    "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
+    "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
+    "smx_fwd<smx_f16, MaskAdd<double>, 2, 1, false>": (16, 16, 36),
+    "smx_fwd<smx_bf16, MaskAdd<double>, 2, 1, false>": (16, 16, 36),
+    "smx_fwd<float, MaskHide<smx_u8>, 2, 1, false>": (8, 4, 4),
+    "smx_fwd<float, MaskHide<smx_u16>, 2, 1, false>": (8, 4, 4),
+    "smx_fwd<float, MaskAdd<smx_f16>, 2, 1, false>": (8, 4, 4),
+    "smx_fwd<float, MaskAdd<smx_bf16>, 2, 1, false>": (8, 4, 4),
+}
 KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     "sm_75": {
         "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 40, 32),
         "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 8, 8),
         "smx_fwd<float, MaskNone, 8, 1, true>": (8, 8, 8),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
-        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (16, 16, 16),
+        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
         "smx_fwd_loop<float, MaskHide<smx_u16>, 4>": (8, 4, 4),
         "smx_fwd_loop<float, MaskAdd<smx_f16>, 4>": (8, 4, 4),
         "smx_fwd_loop<float, MaskAdd<smx_bf16>, 4>": (8, 4, 4),
@@ -86,21 +105,15 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 40, 32),
         "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
-        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (16, 16, 16),
+        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
     },
-    "sm_86": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
-        "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
-        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (16, 16, 16),
-    },
-    "sm_89": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
-        "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
-        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (16, 16, 16),
-    },
+    "sm_86": _SM86_89,
+    "sm_89": _SM86_89,
     "sm_90": {
         "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 28, 20),
-        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (16, 16, 16),
+        "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
+        "smx_fwd_loop<float, MaskHide<smx_u32>, 4>": (16, 12, 12),
+        "smx_fwd_loop<float, MaskAdd<float>, 4>": (16, 12, 12),
     },
     "sm_100": {
         "smx_fwd_loop<smx_bf16, MaskAdd<double>, 4>": (16, 16, 40),
@@ -109,8 +122,8 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<float, MaskHide<smx_u32>, 2, 1, false>": (8, 8, 16),
         "smx_fwd<float, MaskAdd<float>, 2, 1, false>": (8, 8, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (32, 48, 48),
-        "smx_bwd<smx_f16, 2, 2, false>": (16, 16, 32),
-        "smx_bwd<smx_bf16, 2, 2, false>": (16, 16, 32),
+        "smx_bwd<smx_f16, 2, 2, false>": (16, 16, 36),
+        "smx_bwd<smx_bf16, 2, 2, false>": (16, 16, 36),
         "smx_fwd_loop<smx_bf16, MaskHide<smx_u64>, 4>": (24, 16, 40),
         "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),
         "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, false>": (8, 8, 8),
@@ -142,8 +155,8 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<float, MaskAdd<smx_f16>, 2, 1, false>": (8, 16, 16),
         "smx_fwd<float, MaskAdd<smx_bf16>, 2, 1, false>": (8, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (40, 52, 56),
-        "smx_bwd<smx_f16, 2, 2, false>": (8, 16, 16),
-        "smx_bwd<smx_bf16, 2, 2, false>": (8, 16, 16),
+        "smx_bwd<smx_f16, 2, 2, false>": (8, 16, 20),
+        "smx_bwd<smx_bf16, 2, 2, false>": (8, 16, 20),
         "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (16, 12, 16),
         "smx_fwd<smx_f16, MaskNone, 2, 1, true>": (8, 4, 4),
         "smx_fwd<smx_f16, MaskNone, 2, 1, false>": (8, 16, 16),
