@@ -96,8 +96,9 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
 # the same 64 registers.  Measured on the H200, % of copy, fp16 / bf16, 4-chunk row -> lean:
 # Sk 2048 95.3 -> 97.5 / 94.7 -> 94.6; 4096 94.8 -> 97.9 / 93.9 -> 96.1; 8192 92.6 -> 97.7 /
 # 91.7 -> 95.6; 12000 72.9 -> 89.8 / 71.7 -> 87.5; 16384 82.4 -> 96.7 / 81.8 -> 94.5; at
-# Sk 1000 the 4-chunk row wins (98.8 / 99.0 against 96.9 / 92.0).  With a mask, or rows off
-# the chunk grid, the lean kernels spill (the mask's raw chunks, the per-element path): 25-55%.
+# Sk 1000 the 4-chunk row wins (98.8 / 99.0 against 96.9 / 92.0).  With a mask the lean
+# kernels measured slower (25-70% against 74-88%: the mask's raw chunks spill at 64 registers,
+# or leave two blocks per SM at 128), as did rows off the chunk grid (Sk 4097: 37 against 62%).
 LEAN_FROM = 128
 LEAN_NCH = 8
 
