@@ -424,3 +424,15 @@ def test_prewarm_shards_the_plan():
     assert "[prewarm 1/4] 1 first calls, 0 failed" in r.stdout
     assert bench("--prewarm", "compile", "--shard", "4/4").returncode == 2
     assert bench("--prewarm", "apex").returncode == 2
+
+
+def test_plan_note_names_the_tier_of_the_gpu_it_ran_on():
+    """The note beside our timings is the planner's plan for the GPU's architecture: on sm_90
+    the cluster tier for long rows, which a device-independent plan would call the loop tier."""
+    import drvsoftmax
+
+    long = next(c for c in C.all_cases() if c.name == "long-fwd-f16-sk65536")
+    assert "cluster tier" in runner.plan_note(drvsoftmax, long, "sm_90")
+    assert "loop tier" in runner.plan_note(drvsoftmax, long, "sm_80")
+    short = next(c for c in C.all_cases() if c.name == "fwd-f16-sk16384")
+    assert runner.plan_note(drvsoftmax, short, "sm_90").startswith("plan: register tier")

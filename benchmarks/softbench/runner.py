@@ -499,7 +499,7 @@ class Runner:
             return
         notes.append(f"median of {reps}" + (f", {len(sets)} input sets rotated" if len(sets) > 1 else ""))
         if p == P.OURS:
-            plan = plan_note(self.peers.mods[P.OURS], case)
+            plan = plan_note(self.peers.mods[P.OURS], case, device_arch())
             if plan:
                 notes.append(plan)
         self.add(R.timed_row(case, p, ms, self.copy_gbps, "; ".join(notes)))
@@ -525,17 +525,29 @@ def kernel_origins() -> str:
     return "; ".join(f"{o} (x{n})" for o, n in sorted(counts.items())) or "none loaded"
 
 
-def plan_note(ds, case: C.Case) -> str:
-    """drvsoftmax's own account of what runs (its planner), first clause only."""
+def plan_note(ds, case: C.Case, arch: str | None = None) -> str:
+    """drvsoftmax's own account of what runs (its planner, for the GPU's architecture `arch`
+    such as "sm_90": the tiers of that GPU included), first clause only."""
     try:
         if case.direction == "bwd":
-            s = ds.explain(case.shape, case.dtype, backward=True)
+            s = ds.explain(case.shape, case.dtype, backward=True, arch=arch)
         else:
             mdt = {"bool": "bool", "add": case.dtype}.get(case.mask)
-            s = ds.explain(case.shape, case.dtype, mask_dtype=mdt, causal=case.mask == "causal")
+            s = ds.explain(case.shape, case.dtype, mask_dtype=mdt, causal=case.mask == "causal", arch=arch)
     except Exception:
         return ""
     return "plan: " + " ".join(str(s).split())[:90]
+
+
+def device_arch() -> str | None:
+    """sm_XY of the current CUDA device, or None."""
+    try:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    except Exception:
+        return None
 
 
 COLD_CHILD = r"""
