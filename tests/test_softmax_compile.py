@@ -71,9 +71,9 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 #   the 16-byte grid: at most 4 stores where there were up to 7 element stores; on the H200
 #   Sk 4097 forward 68 -> 72% of copy fp16, 85 -> 94% fp32, backward 92 -> 98% bf16) keeps
 #   a few more values live: 4-12 bytes of spills in the general fp32 kernels of 2 chunks with
-#   a 1- or 2-byte mask on sm_86/89, in the looped fp32 kernels with a 4-byte mask on sm_90,
-#   4 more bytes in the backward's general 16-bit kernel of 2 rows x 2 chunks on sm_100/120,
-#   and in the 8-byte-mask kernels below (NVRTC 13.5; those entries are 13.5's figures).
+#   a 1- or 2-byte mask on sm_86/89, in the looped fp32 kernels with a 1- or 4-byte mask on
+#   sm_80 to sm_90, 4-20 bytes more in the backward's general 16-bit kernel of 2 rows x 2
+#   chunks on sm_100/120, and in the 8-byte-mask kernels below.
 # - 8-byte masks (int64/uint64/float64, rare): a mask chunk is 2 to 4 times x's, so these
 #   kernels hold the most raw registers in flight, at the caps above (sm_100's looped tier:
 #   128) or at the hard 128 of a 512-thread row (fp32 rows of 8 chunks: 32 registers of x,
@@ -89,6 +89,7 @@ _SM86_89: dict[str, tuple[int, int, int]] = {
     "smx_fwd<float, MaskHide<smx_u16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd<float, MaskAdd<smx_f16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd<float, MaskAdd<smx_bf16>, 2, 1, false>": (8, 4, 4),
+    "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),
 }
 KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     "sm_75": {
@@ -103,6 +104,7 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     },
     "sm_80": {
         "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 40, 32),
+        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),
         "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
@@ -114,6 +116,7 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
         "smx_fwd_loop<float, MaskHide<smx_u32>, 4>": (16, 12, 12),
         "smx_fwd_loop<float, MaskAdd<float>, 4>": (16, 12, 12),
+        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 8, 8),
     },
     "sm_100": {
         "smx_fwd_loop<smx_bf16, MaskAdd<double>, 4>": (16, 16, 40),
@@ -122,8 +125,8 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<float, MaskHide<smx_u32>, 2, 1, false>": (8, 8, 16),
         "smx_fwd<float, MaskAdd<float>, 2, 1, false>": (8, 8, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (32, 48, 48),
-        "smx_bwd<smx_f16, 2, 2, false>": (16, 16, 36),
-        "smx_bwd<smx_bf16, 2, 2, false>": (16, 16, 36),
+        "smx_bwd<smx_f16, 2, 2, false>": (16, 16, 52),
+        "smx_bwd<smx_bf16, 2, 2, false>": (16, 16, 52),
         "smx_fwd_loop<smx_bf16, MaskHide<smx_u64>, 4>": (24, 16, 40),
         "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),
         "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, false>": (8, 8, 8),
