@@ -89,6 +89,25 @@ def assert_matches(got: np.ndarray, ref: np.ndarray, dtype: str, what: str = "")
     assert np.all(got[zeros] == 0), f"{what}: positions the reference holds at exactly 0 are not 0"
 
 
+# Backward tolerance, relative to the size of the terms of dx = scale * y * (dy - sum(dy * y)).
+BWD_RTOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5}
+
+
+def assert_backward_matches(got, dy, y, ref, scale: float, dtype: str, what: str = "") -> None:
+    """dx against its float64 reference `ref`: NaN and infinities where the reference has
+    them, every finite element within BWD_RTOL of |y| * (|dy| + |sum(dy * y)|) * |scale|,
+    exactly 0 where y == 0."""
+    got, dy, y, ref = (np.asarray(a, dtype=np.float64) for a in (got, dy, y, ref))
+    mag = np.abs(y) * (np.abs(dy) + np.abs((dy * y).sum(-1, keepdims=True))) * abs(scale)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=f"{what}: NaN pattern differs")
+    inf = np.isinf(ref)
+    np.testing.assert_array_equal(got[inf], ref[inf], err_msg=f"{what}: infinities differ")
+    with np.errstate(invalid="ignore"):
+        bad = np.isfinite(ref) & ~(np.abs(got - ref) <= BWD_RTOL[dtype] * mag + 1e-7)
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {got.size} elements outside the backward tolerance"
+    assert np.all(got[y == 0] == 0), f"{what}: positions where y == 0 must get exactly 0"
+
+
 def run_in_threads(work, n: int) -> list:
     """Run work(0) .. work(n-1) in n threads at once; return the exceptions they raised."""
     import threading

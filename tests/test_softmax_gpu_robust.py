@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_matches, requires_cuda, run_in_threads
+from helpers import assert_backward_matches, assert_matches, requires_cuda, run_in_threads
 
 import drvsoftmax
 from drvsoftmax import _reference
@@ -181,11 +181,9 @@ def test_eight_threads_on_eight_streams():
             try:
                 assert_matches(_np(y), ref, dtype, f"thread {i} iteration {it}")
                 rdx = _reference.softmax_backward(_np(dy), _np(y), 0.4)
-                got = _np(dx).astype(np.float64)
-                yv, dyv = _np(y).astype(np.float64), _np(dy).astype(np.float64)
-                mag = np.abs(yv) * (np.abs(dyv) + np.abs((dyv * yv).sum(-1, keepdims=True))) * 0.4
-                tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5}[dtype]
-                assert np.all(np.abs(got - rdx) <= tol * mag + 1e-7), f"thread {i} iteration {it}: backward"
+                assert_backward_matches(
+                    _np(dx), _np(dy), _np(y), rdx, 0.4, dtype, f"thread {i} iteration {it}: backward"
+                )
             except AssertionError as e:
                 errors_found.append(e)
 

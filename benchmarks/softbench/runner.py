@@ -10,6 +10,7 @@ redo(args)      the markdown, PNG and summary again from a results CSV
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -539,8 +540,9 @@ def plan_note(ds, case: C.Case, arch: str | None = None) -> str:
     return "plan: " + " ".join(str(s).split())[:90]
 
 
+@functools.lru_cache(maxsize=1)
 def device_arch() -> str | None:
-    """sm_XY of the current CUDA device, or None."""
+    """sm_XY of the CUDA device (asked once per run), or None."""
     try:
         import torch
 
