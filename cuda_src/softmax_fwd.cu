@@ -15,7 +15,9 @@
 //                             SMX_HELD_VALUES): raw chunks held, values computed per pass.
 //   smx_fwd_loop<T, M, NCH>   a block per row, any length: a pass for (max, sum), a pass
 //                             that reloads and writes.
-// Unaligned rows (odd Sk) keep 16-byte accesses: chunks follow the 16-byte grid of the
+// Unaligned rows (odd Sk) keep 16-byte accesses.  Without a mask they are "edged" (see
+// smx_fwd_edged): the whole 16-byte blocks inside a row are its chunks and the few keys
+// outside them are taken one per lane.  Otherwise chunks follow the 16-byte grid of the
 // address space, and only a row's first and last chunk are accessed element-wise.
 #include "softmax_common.cuh"
 
@@ -381,6 +383,105 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
   }
 }
 
+// Rows off the 16-byte grid with unit key stride (SMX_F_VEC), no mask, a row per thread
+// group: "edged" rows.  Chunk c is the c-th whole 16-byte block inside the row, from the
+// row's first 16-byte boundary (h elements in); the at most 2 (N - 1) keys outside those
+// blocks (the head before it, the tail after the last) are taken one per lane in each of
+// E slots.  No access leaves the row, and the chunk loop is the whole-chunk kernels' one:
+// a chunk is partial only at the visible prefix (causal, key_lengths), never at the row's
+// ends, so no lane runs per-key code there (the general path's first and last chunk).
+template <typename T, int NCH> struct SmxEdged {
+  enum { N = Chunk<T>::N, E = NCH <= 2 ? 2 : 1 };
+  // Kernels with the path: 16-bit x, or 2 chunks per thread (fp32 rows of more chunks
+  // measured faster on the general path: 95 against 92% of copy at Sk 4097, with 52
+  // registers against 40).  A launch takes it where every edge of a row has a lane's slot.
+  enum { HAS = NCH * N <= SMX_HELD_VALUES && (sizeof(T) == 2 || NCH == 2) };
+  static __device__ __forceinline__ bool fits(int tpr) { return tpr * E >= 2 * (N - 1); }
+};
+
+template <typename T, class M, int NCH>
+__device__ __forceinline__ void smx_fwd_edged(const FwdRow<T, M>& rw, bool act, int lane, int tpr,
+                                              const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
+  enum { N = Chunk<T>::N, E = SmxEdged<T, NCH>::E };
+  const int sk = p.sk;
+  const int h = min((N - rw.ofs) & (N - 1), sk);  // the head: keys before the first boundary
+  const int t0 = h + (sk - h) / N * N;            // the tail's first key (after the whole chunks)
+  const int clim = min(rw.lim, t0);               // chunk keys j < clim are visible
+  // LOAD: the chunks, then the edges (keys j >= sk: no edge in that slot).
+  Chunk<T> cx[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int j0 = h + (lane + k * tpr) * N;
+    if (j0 < clim) cx[k].raw = smx_ld16(rw.x + j0);
+  }
+  int ej[E];
+  T ex[E];
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const int i = lane + q * tpr;
+    ej[q] = i < h ? i : i - h + t0;
+    if (ej[q] < rw.lim) ex[q] = rw.x[ej[q]];
+  }
+  // VALUES, max.
+  float v[NCH][N], ev[E], mx[1] = {-SMX_INF};
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int j0 = h + (lane + k * tpr) * N;
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[k][e] = smx_to_f32(cx[k].e[e]) * p.scale;
+    if (j0 + N > clim) {
+      if (j0 >= clim) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) v[k][e] = -SMX_INF;
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e)
+          if (j0 + e >= clim) v[k][e] = -SMX_INF;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[k][e]);
+  }
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    ev[q] = ej[q] < rw.lim ? smx_to_f32(ex[q]) * p.scale : -SMX_INF;
+    mx[0] = fmaxf(mx[0], ev[q]);
+  }
+  smx_warp_allreduce<OpMax, 1>(mx, tpr);
+  // exp, sum.
+  const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+  float s[1] = {0.0f}, fac[1];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      v[k][e] = smx_exp2(fmaf(v[k][e], SMX_LOG2E, -mxl));
+      s[0] += v[k][e];
+    }
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    ev[q] = smx_exp2(fmaf(ev[q], SMX_LOG2E, -mxl));
+    s[0] += ev[q];
+  }
+  smx_warp_allreduce<OpSum, 1>(s, tpr);
+  smx_row_stats<1>(mx, s, fac, tpr, red);
+  if (!act) return;
+  // STORE: every chunk and edge of the row (hidden keys as zeros).
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int j0 = h + (lane + k * tpr) * N;
+    if (j0 < t0) {
+      float o[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) o[e] = v[k][e] * fac[0];
+      smx_st16(rw.y + j0, smx_pack_chunk<T>(o));
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < E; ++q)
+    if (ej[q] < sk) rw.y[ej[q]] = smx_from_f32<T>(ev[q] * fac[0]);
+}
+
 template <typename T, class M, int NCH, int RPT, bool AL>
 __global__ void __launch_bounds__(SMX_BLOCK, NCH * Chunk<T>::N > SMX_HELD_VALUES ? SMX_LEAN_MIN_BLOCKS : 0)
 smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask, const void* __restrict__ klen,
@@ -391,6 +492,11 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   const int tpr = rb.tpr, lane = rb.lane, rpb = rb.rpb;
   const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + rb.first_row;
 
+  if (!AL && !M::PRESENT && RPT == 1 && SmxEdged<T, NCH>::HAS && (p.flags & SMX_F_VEC) &&
+      SmxEdged<T, NCH>::fits(tpr)) {
+    smx_fwd_edged<T, M, NCH>(smx_fwd_row<T, M, false>(x, y, mask, klen, p, row0), row0 < p.rows, lane, tpr, p, red);
+    return;
+  }
   FwdRow<T, M> rw[RPT];
   bool act[RPT];
 #pragma unroll

@@ -138,9 +138,16 @@ def test_cluster_tier_starts_where_the_register_tier_ends(backward):
         last = 16384
         assert _plan_of(backward, 8, last, dtype, "none", True, H200).tier == "register"
         assert _plan_of(backward, 8, last + 1, dtype, "none", True, H200).tier == "cluster"
-        # Rows off the 16-byte grid touch one chunk more: the register tier ends a chunk earlier.
+        # Rows off the 16-byte grid touch one chunk more: the register tier ends a chunk
+        # earlier; but 16-bit forwards without a mask (edged rows: whole chunks in registers,
+        # the keys outside them one per lane) hold every row of up to 16384 keys.
         n = 16 // ITEM[dtype]
-        assert _plan_of(backward, 8, last - n + 2, dtype, "none", False, H200).tier == "cluster"
+        edged = not backward and ITEM[dtype] == 2
+        assert _plan_of(backward, 8, last - n + 2, dtype, "none", False, H200).tier == (
+            "register" if edged else "cluster"
+        )
+        assert _plan_of(backward, 8, last, dtype, "none", False, H200).tier == ("register" if edged else "cluster")
+        assert _plan_of(backward, 8, last + 1, dtype, "none", False, H200).tier == "cluster"
 
 
 @pytest.mark.parametrize(

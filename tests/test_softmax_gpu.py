@@ -349,3 +349,28 @@ def test_partial_chunks_leave_the_gaps_between_rows_alone(dtype, sk, gap):
     ref = _reference.softmax_backward(_np(dy), _np(y), 0.7)
     assert_backward_matches(_np(dx), _np(dy), _np(y), ref, 0.7, dtype, f"{dtype} Sk={sk}: padded backward")
     assert torch.all(dxbuf[..., sk:] == poison), "a backward store reached into the gap between rows"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_edged_rows_at_every_length_and_phase(dtype):
+    """Rows that are not whole 16-byte chunks, without a mask: the edged path (a row's
+    whole 16-byte blocks as chunks, the keys outside them one per lane) wherever the
+    planner takes it, the general path elsewhere.  Every length to 300 keys and the
+    planner's boundaries beyond, 18 rows each (odd lengths put the rows at every phase of
+    the 16-byte grid); plain, causal with key_lengths, and rows holding NaN and +-inf."""
+    t = DTYPES[dtype]
+    item = torch.empty((), dtype=t).element_size()
+    assert "edged rows" in drvsoftmax.explain((4, 4097 if item == 2 else 197), dtype)
+    sks = list(range(1, 300)) + [511, 513, 1001, 2047, 2049, 4095, 4097, 8191, 8193, 12289, 16383]
+    for sk in sks:
+        x = _rand((2, 1, 9, sk), t)
+        _check_forward(x, scale=0.7, what=f"{dtype} Sk={sk}")
+        kl = torch.tensor([max(1, sk // 3), sk + 2], dtype=torch.int32, device="cuda")
+        _check_forward(x, scale=-1.1, causal=True, key_lengths=kl, what=f"{dtype} Sk={sk} causal key_lengths")
+        if sk in (77, 197, 4097):
+            xs = x.clone()
+            xs[0, 0, 1, 0] = float("nan")  # a head key
+            xs[0, 0, 3, sk - 1] = float("inf")  # a tail key
+            xs[1, 0, 4, sk // 2] = float("nan")  # a chunk key
+            xs[1, 0, 6, :] = float("-inf")
+            _check_forward(xs, scale=1.0, what=f"{dtype} Sk={sk} nan/inf rows")

@@ -195,7 +195,18 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
             assert p.kernel in names
             chunks = _plan.row_chunks(sk, ITEMSIZE[dtype], aligned)
             if p.tier == "register":
-                assert _tpr(p) * p.nch >= chunks, (sk, p)
+                # The kernel's chunks: a row's whole 16-byte blocks where it takes the edged
+                # path; the rows it was planned for: those where the plan says so.
+                item, n = ITEMSIZE[dtype], 16 // ITEMSIZE[dtype]
+                edged = (
+                    not backward
+                    and not _plan.whole_chunks(sk, item, True, aligned)
+                    and _plan.edged_kernel(item, p.nch, p.rpt, _tpr(p))
+                )
+                assert _tpr(p) * p.nch >= (max(sk // n, 1) if edged else chunks), (sk, p)
+                if "edged rows" in p.reason:
+                    assert edged, (sk, p)
+                    chunks = max(sk // n, 1)
                 # No narrower row fits: half as many threads, or a warp less for rows of whole warps.
                 narrower = _tpr(p) // 2 if _tpr(p) <= 32 else _tpr(p) - 32
                 assert _tpr(p) == 1 or narrower * p.nch < chunks, (sk, p)
@@ -205,6 +216,8 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
             else:
                 assert p.grid == rows and p.block == _tpr(p) == _plan.BLOCK
                 assert chunks > 2048 * (2 if ITEMSIZE[dtype] == 4 else 1)
+                if not backward and ITEMSIZE[dtype] == 2:  # (edged rows: up to 16384 keys in registers)
+                    assert sk > 16384, (sk, p)
 
 
 def test_every_kernel_name_is_reachable(monkeypatch):

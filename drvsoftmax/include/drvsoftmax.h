@@ -324,6 +324,7 @@ static inline smx_i64 smx_max_chunks(int itemsize) {
 #define SMX_WIDE_MASK_SKIPS_NCH 4  // see smx_choose_shape
 #define SMX_LEAN_FROM 128  // see smx_choose_shape
 #define SMX_LEAN_NCH 8
+#define SMX_HELD_VALUES 32  // values a thread holds as fp32 (see smx_edged_kernel)
 #define SMX_MAX_SK 2147483647LL  // row length limit (row-internal indices are 32-bit)
 #define SMX_MASK_REUSE_BYTES 33554432LL  // see smx_mask_row_order
 // Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C
@@ -489,19 +490,13 @@ static inline smx_i64 smx_row_chunks(smx_i64 sk, int itemsize, int aligned_rows)
   return smx_ceil_div(sk + (aligned_rows ? 0 : n - 1), n);
 }
 
-// Tier, chunks and rows per thread, threads per row, block and grid for rows of sk elements.
-// skip_nch: a table row of that many chunks per thread is not taken (0: none; the forward
-// of fp32 x with a mask of 4 or more bytes per element skips the 4-chunk row).  lean: a
-// forward of 16-bit x without a mask on whole-chunk rows: rows of more than SMX_LEAN_FROM
-// chunks take SMX_LEAN_NCH chunks per thread (the lean kernels).
-static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
-                                    int skip_nch, int lean, SmxLaunch* l) {
-  smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
+// The register tier's shape for rows of `chunks` chunks (skip_nch, use_lean: see
+// smx_choose_shape); 0 where no table row holds them.
+static inline int smx_register_shape(smx_i64 rows, smx_i64 chunks, int itemsize, int backward, int skip_nch,
+                                     int use_lean, SmxLaunch* l) {
   const smx_i64 cap = smx_max_chunks(itemsize);
-  if (chunks < 1) chunks = 1;
   const int nrows = backward ? SMX_BWD_TABLE_ROWS : SMX_FWD_TABLE_ROWS;
   const int lean_row[3] = {(int)cap, SMX_LEAN_NCH, 1};
-  const int use_lean = lean && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
   for (int i = 0; i < (use_lean ? 1 : nrows); ++i) {
     const int* r = use_lean ? lean_row : backward ? smx_bwd_table_row(i) : smx_fwd_table_row(i);
     const smx_i64 limit = r[0] < cap ? r[0] : cap;
@@ -521,10 +516,45 @@ static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int 
       l->tpr_log2 = t;
       l->block = (int)block;
       l->grid = smx_ceil_div(rows, ((block >> t) > 1 ? (block >> t) : 1) * r[2]);
-      return;
+      return 1;
     }
     if (r[0] >= cap) break;
   }
+  return 0;
+}
+
+// A launch of the general forward kernel without a mask, 16-byte access, takes the edged
+// path: 16-bit x or 2 chunks per thread, one row per thread, every edge of a row (the at
+// most 2 (N - 1) keys outside its whole 16-byte blocks) a lane's slot (two per lane at 2
+// chunks per thread, else one).
+static inline int smx_edged_kernel(int itemsize, int nch, int rpt, smx_i64 tpr) {
+  const int n = SMX_CHUNK_BYTES / itemsize;
+  return rpt == 1 && nch * n <= SMX_HELD_VALUES && (itemsize == 2 || nch == 2) &&
+         tpr * (nch <= 2 ? 2 : 1) >= 2 * (n - 1);
+}
+
+// Tier, chunks and rows per thread, threads per row, block and grid for rows of sk elements.
+// skip_nch: a table row of that many chunks per thread is not taken (0: none; the forward
+// of fp32 x with a mask of 4 or more bytes per element skips the 4-chunk row).  lean: a
+// forward of 16-bit x without a mask on whole-chunk rows: rows of more than SMX_LEAN_FROM
+// chunks take SMX_LEAN_NCH chunks per thread (the lean kernels).  edged: a forward without
+// a mask, 16-byte access, rows that are not whole chunks: rows of at most the register
+// tier's keys are planned by their whole chunks where the kernel then takes the edged path.
+static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
+                                    int skip_nch, int lean, int edged, SmxLaunch* l) {
+  const smx_i64 cap = smx_max_chunks(itemsize);
+  const int n = SMX_CHUNK_BYTES / itemsize;
+  if (edged && !backward && sk <= cap * n) {
+    const smx_i64 whole = sk / n > 1 ? sk / n : 1;
+    if (smx_register_shape(rows, whole, itemsize, 0, skip_nch, 0, l)) {
+      const smx_i64 tpr = ((smx_i64)1 << l->tpr_log2) < l->block ? ((smx_i64)1 << l->tpr_log2) : l->block;
+      if (smx_edged_kernel(itemsize, l->nch, l->rpt, tpr)) return;
+    }
+  }
+  smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
+  if (chunks < 1) chunks = 1;
+  const int use_lean = lean && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
+  if (smx_register_shape(rows, chunks, itemsize, backward, skip_nch, use_lean, l)) return;
   l->loop = 1;
   l->nch = SMX_LOOP_NCH;
   l->rpt = 1;
@@ -552,7 +582,8 @@ static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
   const int skip = item == 4 && smx_mask_itemsize(mask_kind) >= 4 ? SMX_WIDE_MASK_SKIPS_NCH : 0;
   const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && whole && !causal;
-  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, l);
+  const int edged = smx_mask_itemsize(mask_kind) == 0 && vector && !whole;
+  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, edged, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
@@ -567,7 +598,7 @@ static inline int smx_plan_backward(smx_i64 rows, smx_i64 sk, int dtype, int vec
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES) return SMX_ERR_ARG;
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows);
-  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, 0, l);
+  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, 0, 0, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
