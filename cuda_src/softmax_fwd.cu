@@ -392,12 +392,27 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
 // ends, so no lane runs per-key code there (the general path's first and last chunk).
 template <typename T, int NCH> struct SmxEdged {
   enum { N = Chunk<T>::N, E = NCH <= 2 ? 2 : 1 };
-  // Kernels with the path: 16-bit x, or 2 chunks per thread (fp32 rows of more chunks
-  // measured faster on the general path: 95 against 92% of copy at Sk 4097, with 52
-  // registers against 40).  A launch takes it where every edge of a row has a lane's slot.
-  enum { HAS = NCH * N <= SMX_HELD_VALUES && (sizeof(T) == 2 || NCH == 2) };
+  // Kernels with the path: 16-bit x (8 chunks per thread: lean, see smx_fwd_edged_lean), or
+  // 2 chunks per thread (fp32 rows of more chunks measured faster on the general path: 95
+  // against 92% of copy at Sk 4097, with 52 registers against 40).  A launch takes it where
+  // every edge of a row has a lane's slot.
+  enum { HAS = sizeof(T) == 2 || NCH == 2, LEAN = NCH * N > SMX_HELD_VALUES };
   static __device__ __forceinline__ bool fits(int tpr) { return tpr * E >= 2 * (N - 1); }
 };
+
+// Values of the edged row's chunk at key j0 (keys j >= clim hidden).
+template <typename T>
+__device__ __forceinline__ void smx_edged_values(float (&v)[Chunk<T>::N], const Chunk<T>& c, int j0, int clim,
+                                                 float scale) {
+  enum { N = Chunk<T>::N };
+#pragma unroll
+  for (int e = 0; e < N; ++e) v[e] = smx_to_f32(c.e[e]) * scale;
+  if (j0 + N > clim) {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (j0 + e >= clim) v[e] = -SMX_INF;
+  }
+}
 
 template <typename T, class M, int NCH>
 __device__ __forceinline__ void smx_fwd_edged(const FwdRow<T, M>& rw, bool act, int lane, int tpr,
@@ -426,19 +441,7 @@ __device__ __forceinline__ void smx_fwd_edged(const FwdRow<T, M>& rw, bool act, 
   float v[NCH][N], ev[E], mx[1] = {-SMX_INF};
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
-    const int j0 = h + (lane + k * tpr) * N;
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[k][e] = smx_to_f32(cx[k].e[e]) * p.scale;
-    if (j0 + N > clim) {
-      if (j0 >= clim) {
-#pragma unroll
-        for (int e = 0; e < N; ++e) v[k][e] = -SMX_INF;
-      } else {
-#pragma unroll
-        for (int e = 0; e < N; ++e)
-          if (j0 + e >= clim) v[k][e] = -SMX_INF;
-      }
-    }
+    smx_edged_values<T>(v[k], cx[k], h + (lane + k * tpr) * N, clim, p.scale);
 #pragma unroll
     for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[k][e]);
   }
@@ -482,6 +485,100 @@ __device__ __forceinline__ void smx_fwd_edged(const FwdRow<T, M>& rw, bool act, 
     if (ej[q] < sk) rw.y[ej[q]] = smx_from_f32<T>(ev[q] * fac[0]);
 }
 
+// Edged rows of 16-bit x at 8 chunks per thread: the raw chunks held, their values
+// computed afresh in each of three passes (max; sum; store), as smx_fwd_lean does for
+// whole-chunk rows; the lane's edge is held as a value.  At the lean kernels' 64 registers
+// ptxas spills 24 bytes here (sm_90); measured on the H200 that is still faster than 80
+// registers without spills (three blocks per SM): Sk 4097 fp16 / bf16 92.9 / 91.8% of copy
+// against 91.7 / 88.0, Sk 16383 91.8 / 90.2 against 88.7 / 86.6.
+template <typename T, class M, int NCH>
+__device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool act, int lane, int tpr,
+                                                   const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
+  enum { N = Chunk<T>::N };
+  const int h = min((N - rw.ofs) & (N - 1), p.sk);
+  const int t0 = h + (p.sk - h) / N * N;
+  const int clim = min(rw.lim, t0);
+  const smx_u32 z = (smx_u32)p.flags & SMX_F_ZERO;
+  int j = h + lane * N;  // chunk k's key: j + k * step
+  int step = tpr * N;
+  Chunk<T> cx[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+    if (j + k * step < clim) cx[k].raw = smx_ld16(rw.x + j + k * step);
+  const int ej = lane < h ? lane : lane - h + t0;
+  const bool est = act && ej < p.sk;  // this lane stores an edge
+  float ev = -SMX_INF;
+  if (ej < rw.lim) ev = smx_to_f32(rw.x[ej]) * p.scale;
+  float mx[1] = {ev};
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    float v[N];
+    smx_edged_values<T>(v, cx[k], j + k * step, clim, p.scale);
+#pragma unroll
+    for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[e]);
+  }
+  smx_warp_allreduce<OpMax, 1>(mx, tpr);
+  const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+  // (see smx_fwd_opaque: the passes compute the values again rather than keep them)
+  j ^= (int)z;
+  step ^= (int)z;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cx[k].w[i] ^= z;
+  ev = smx_exp2(fmaf(ev, SMX_LOG2E, -mxl));
+  float s[1] = {ev}, fac[1];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    float v[N];
+    smx_edged_values<T>(v, cx[k], j + k * step, clim, p.scale);
+#pragma unroll
+    for (int e = 0; e < N; ++e) s[0] += smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl));
+  }
+  smx_warp_allreduce<OpSum, 1>(s, tpr);
+  smx_row_stats<1>(mx, s, fac, tpr, red);
+  if (!act) return;
+  j ^= (int)z;
+  step ^= (int)z;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cx[k].w[i] ^= z;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int j0 = j + k * step;
+    if (j0 < t0) {
+      float v[N];
+      smx_edged_values<T>(v, cx[k], j0, clim, p.scale);
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[e] = smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl)) * fac[0];
+      smx_st16(rw.y + j0, smx_pack_chunk<T>(v));
+    }
+  }
+  if (est) rw.y[ej] = smx_from_f32<T>(ev * fac[0]);
+}
+
+// The 8-chunk general kernels of 16-bit x without a mask exist for edged rows: a launch
+// that cannot take that path (the planner plans none: no 16-byte access, or fewer threads
+// per row than edges) is still right, a key per thread at a time, each read three times.
+template <typename T, class M>
+__device__ __forceinline__ void smx_fwd_keywise(const FwdRow<T, M>& rw, bool act, int lane, int tpr,
+                                                const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
+  float mx[1] = {-SMX_INF}, s[1] = {0.0f}, fac[1];
+  for (int j = lane; j < rw.lim; j += tpr) mx[0] = fmaxf(mx[0], smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale);
+  smx_warp_allreduce<OpMax, 1>(mx, tpr);
+  const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+  for (int j = lane; j < rw.lim; j += tpr)
+    s[0] += smx_exp2(fmaf(smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale, SMX_LOG2E, -mxl));
+  smx_warp_allreduce<OpSum, 1>(s, tpr);
+  smx_row_stats<1>(mx, s, fac, tpr, red);
+  if (!act) return;
+  for (int j = lane; j < p.sk; j += tpr) {
+    const float e = j < rw.lim ? smx_exp2(fmaf(smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale, SMX_LOG2E, -mxl)) : 0.0f;
+    rw.y[(smx_i64)j * p.sy] = smx_from_f32<T>(e * fac[0]);
+  }
+}
+
 template <typename T, class M, int NCH, int RPT, bool AL>
 __global__ void __launch_bounds__(SMX_BLOCK, NCH * Chunk<T>::N > SMX_HELD_VALUES ? SMX_LEAN_MIN_BLOCKS : 0)
 smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask, const void* __restrict__ klen,
@@ -492,10 +589,18 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   const int tpr = rb.tpr, lane = rb.lane, rpb = rb.rpb;
   const smx_i64 row0 = (smx_i64)blockIdx.x * rpb * RPT + rb.first_row;
 
-  if (!AL && !M::PRESENT && RPT == 1 && SmxEdged<T, NCH>::HAS && (p.flags & SMX_F_VEC) &&
-      SmxEdged<T, NCH>::fits(tpr)) {
-    smx_fwd_edged<T, M, NCH>(smx_fwd_row<T, M, false>(x, y, mask, klen, p, row0), row0 < p.rows, lane, tpr, p, red);
-    return;
+  if (!AL && !M::PRESENT && RPT == 1 && SmxEdged<T, NCH>::HAS) {
+    const bool edged = (p.flags & SMX_F_VEC) && SmxEdged<T, NCH>::fits(tpr);
+    if (edged || SmxEdged<T, NCH>::LEAN) {
+      const FwdRow<T, M> r = smx_fwd_row<T, M, false>(x, y, mask, klen, p, row0);
+      if (!SmxEdged<T, NCH>::LEAN)
+        smx_fwd_edged<T, M, NCH>(r, row0 < p.rows, lane, tpr, p, red);
+      else if (edged)
+        smx_fwd_edged_lean<T, M, NCH>(r, row0 < p.rows, lane, tpr, p, red);
+      else
+        smx_fwd_keywise<T, M>(r, row0 < p.rows, lane, tpr, p, red);
+      return;
+    }
   }
   FwdRow<T, M> rw[RPT];
   bool act[RPT];

@@ -222,13 +222,12 @@ static inline int smx_register_shape(smx_i64 rows, smx_i64 chunks, int itemsize,
 }
 
 // A launch of the general forward kernel without a mask, 16-byte access, takes the edged
-// path: 16-bit x or 2 chunks per thread, one row per thread, every edge of a row (the at
-// most 2 (N - 1) keys outside its whole 16-byte blocks) a lane's slot (two per lane at 2
-// chunks per thread, else one).
+// path: 16-bit x (lean at 8 chunks per thread) or 2 chunks per thread, one row per thread,
+// every edge of a row (the at most 2 (N - 1) keys outside its whole 16-byte blocks) a
+// lane's slot (two per lane at 2 chunks per thread, else one).
 static inline int smx_edged_kernel(int itemsize, int nch, int rpt, smx_i64 tpr) {
   const int n = SMX_CHUNK_BYTES / itemsize;
-  return rpt == 1 && nch * n <= SMX_HELD_VALUES && (itemsize == 2 || nch == 2) &&
-         tpr * (nch <= 2 ? 2 : 1) >= 2 * (n - 1);
+  return rpt == 1 && (itemsize == 2 || nch == 2) && tpr * (nch <= 2 ? 2 : 1) >= 2 * (n - 1);
 }
 
 // Tier, chunks and rows per thread, threads per row, block and grid for rows of sk elements.
@@ -237,21 +236,22 @@ static inline int smx_edged_kernel(int itemsize, int nch, int rpt, smx_i64 tpr) 
 // forward of 16-bit x without a mask on whole-chunk rows: rows of more than SMX_LEAN_FROM
 // chunks take SMX_LEAN_NCH chunks per thread (the lean kernels).  edged: a forward without
 // a mask, 16-byte access, rows that are not whole chunks: rows of at most the register
-// tier's keys are planned by their whole chunks where the kernel then takes the edged path.
+// tier's keys are planned by their whole chunks where the kernel then takes the edged path
+// (lean beyond SMX_LEAN_FROM whole chunks where lean is set).
 static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
                                     int skip_nch, int lean, int edged, SmxLaunch* l) {
   const smx_i64 cap = smx_max_chunks(itemsize);
   const int n = SMX_CHUNK_BYTES / itemsize;
   if (edged && !backward && sk <= cap * n) {
     const smx_i64 whole = sk / n > 1 ? sk / n : 1;
-    if (smx_register_shape(rows, whole, itemsize, 0, skip_nch, 0, l)) {
+    if (smx_register_shape(rows, whole, itemsize, 0, skip_nch, lean && whole > SMX_LEAN_FROM, l)) {
       const smx_i64 tpr = ((smx_i64)1 << l->tpr_log2) < l->block ? ((smx_i64)1 << l->tpr_log2) : l->block;
       if (smx_edged_kernel(itemsize, l->nch, l->rpt, tpr)) return;
     }
   }
   smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
   if (chunks < 1) chunks = 1;
-  const int use_lean = lean && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
+  const int use_lean = lean && !edged && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
   if (smx_register_shape(rows, chunks, itemsize, backward, skip_nch, use_lean, l)) return;
   l->loop = 1;
   l->nch = SMX_LOOP_NCH;
@@ -279,8 +279,8 @@ static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows) && mask_whole && smx_al_mask_kind(dtype, mask_kind);
   const int skip = item == 4 && smx_mask_itemsize(mask_kind) >= 4 ? SMX_WIDE_MASK_SKIPS_NCH : 0;
-  const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && whole && !causal;
   const int edged = smx_mask_itemsize(mask_kind) == 0 && vector && !whole;
+  const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && (whole || edged) && !causal;
   smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, edged, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
@@ -701,7 +701,6 @@ def c_api_header() -> str:
         f"#define SMX_WIDE_MASK_SKIPS_NCH {_plan.WIDE_MASK_SKIPS_NCH}  // see smx_choose_shape",
         f"#define SMX_LEAN_FROM {_plan.LEAN_FROM}  // see smx_choose_shape",
         f"#define SMX_LEAN_NCH {_plan.LEAN_NCH}",
-        f"#define SMX_HELD_VALUES {_plan.HELD_VALUES}  // values a thread holds as fp32 (see smx_edged_kernel)",
         f"#define SMX_MAX_SK {2**31 - 1}LL  // row length limit (row-internal indices are 32-bit)",
         f"#define SMX_MASK_REUSE_BYTES {_core.MASK_REUSE_BYTES}LL  // see smx_mask_row_order",
         "// Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C",

@@ -115,11 +115,14 @@ def lean_rows(itemsize: int, mask_kind: str, whole: bool, causal: bool = False) 
 # chunks).  The kernel's chunks are the whole 16-byte blocks inside a row; the at most
 # 2 (N - 1) keys outside them (before the row's first 16-byte boundary, after its last) are
 # taken one per lane, two at 2 chunks per thread.  Such rows are planned by their whole
-# chunks where the kernel then takes that path: 16-bit x or 2 chunks per thread, one row
-# per thread, and a lane for every edge.  Measured on the H200 against the general path
-# (first and last chunk element by element), % of copy, fp16: Sk 77 39 -> 60, 197 50 -> 74,
-# 577 54 -> 78, 1001 88 -> 98; fp32 77 52 -> 80, 197 74 -> 90.
-HELD_VALUES = 32  # SMX_HELD_VALUES: values a thread holds as fp32 (beyond: the lean kernels)
+# chunks where the kernel then takes that path: 16-bit x (beyond LEAN_FROM whole chunks in
+# the lean kernels' shape, smx_fwd_edged_lean) or 2 chunks per thread, one row per thread,
+# and a lane for every edge.  Measured on the H200 against the general path (first and last
+# chunk element by element), % of copy, fp16 / bf16: Sk 77 39 -> 60 / 38 -> 58, 197 50 ->
+# 81 / 50 -> 79, 577 54 -> 77 / 53 -> 74, 1001 88 -> 98 / 87 -> 98, 2047 61 -> 94 / 60 ->
+# 93, 4097 72 -> 93 / 71 -> 92, 16383 35 -> 92 / 36 -> 90 (the 4-chunk edged row there: 77 /
+# 77); fp32 (2 chunks per thread only: at 4 chunks the general path measured 95 against 92%
+# at Sk 4097) 77 52 -> 80, 197 74 -> 90.
 
 
 def edge_slots(nch: int) -> int:
@@ -129,9 +132,9 @@ def edge_slots(nch: int) -> int:
 
 def edged_kernel(itemsize: int, nch: int, rpt: int, tpr: int) -> bool:
     """A launch of the general forward kernel without a mask, 16-byte access, takes the
-    edged path (SmxEdged in softmax_fwd.cu)."""
+    edged path (SmxEdged in softmax_fwd.cu; 16-bit x at 8 chunks per thread: lean)."""
     n = CHUNK_BYTES // itemsize
-    return rpt == 1 and nch * n <= HELD_VALUES and (itemsize == 2 or nch == 2) and tpr * edge_slots(nch) >= 2 * (n - 1)
+    return rpt == 1 and (itemsize == 2 or nch == 2) and tpr * edge_slots(nch) >= 2 * (n - 1)
 
 
 def _configs(
@@ -186,6 +189,7 @@ def _fwd_names(dt: str, mk: str, item: int) -> list[str]:
         names += [kernel_fwd(dt, mk, nch, rpt, True) for _, nch, rpt, _ in configs]
     if lean_rows(item, mk, True):
         names.append(kernel_fwd(dt, mk, LEAN_NCH, 1, True))
+        names.append(kernel_fwd(dt, mk, LEAN_NCH, 1, False))  # edged rows
     return names
 
 
@@ -476,17 +480,21 @@ def choose_shape(
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements;
     `whole`: every row is whole 16-byte chunks (the AL kernels' table); `wide`: a forward
     with a wide mask (`wide_mask`); `lean`: a forward that may take the lean kernels
-    (`lean_rows`); `edged`: a forward that may take the edged path (see `edged_kernel`)."""
+    (`lean_rows`: on whole-chunk rows, and edged ones); `edged`: a forward that may take the
+    edged path (see `edged_kernel`)."""
     table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize, wide and not backward)
+    lean_table = [(MAX_CHUNKS[itemsize], LEAN_NCH, 1, "C/8, lean (values computed afresh in each pass)")]
     if edged and not backward and sk <= MAX_CHUNKS[itemsize] * (CHUNK_BYTES // itemsize):
-        got = _register_shape(rows, max(sk // (CHUNK_BYTES // itemsize), 1), table)
+        whole_chunks = max(sk // (CHUNK_BYTES // itemsize), 1)
+        use = lean_table if lean and whole_chunks > LEAN_FROM else table
+        got = _register_shape(rows, whole_chunks, use)
         if got is not None:
             _, nch, rpt, t, block, _, why = got
             if edged_kernel(itemsize, nch, rpt, min(1 << t, block)):
                 return got[:6] + (why + ", edged rows (the keys outside whole chunks one per lane)",)
     chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
-    if lean and not backward and LEAN_FROM < chunks <= MAX_CHUNKS[itemsize]:
-        table = [(MAX_CHUNKS[itemsize], LEAN_NCH, 1, "C/8, lean (values computed afresh in each pass)")]
+    if lean and whole and not backward and LEAN_FROM < chunks <= MAX_CHUNKS[itemsize]:
+        table = lean_table
     got = _register_shape(rows, chunks, table)
     if got is not None:
         return got
@@ -624,6 +632,7 @@ def plan_forward(
     item = X_DTYPES[dtype][1]
     aligned_rows = aligned_rows or not vector
     whole = whole_chunks(sk, item, vector, aligned_rows) and mask_whole and mask_kind in al_mask_kinds(dtype)
+    edged = mask_kind == "none" and vector and not whole
     tier, nch, rpt, t, block, grid, reason = choose_shape(
         rows,
         sk,
@@ -632,8 +641,8 @@ def plan_forward(
         aligned_rows,
         whole,
         wide_mask(item, mask_kind),
-        lean_rows(item, mask_kind, whole, causal),
-        mask_kind == "none" and vector and not whole,
+        lean_rows(item, mask_kind, whole or edged, causal),
+        edged,
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]

@@ -374,3 +374,37 @@ def test_edged_rows_at_every_length_and_phase(dtype):
             xs[1, 0, 4, sk // 2] = float("nan")  # a chunk key
             xs[1, 0, 6, :] = float("-inf")
             _check_forward(xs, scale=1.0, what=f"{dtype} Sk={sk} nan/inf rows")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sk", [1100, 4097])
+def test_edged_lean_kernel_on_a_launch_it_cannot_take_edged(monkeypatch, dtype, sk):
+    """The 8-chunk general kernels (16-bit, no mask) exist for edged rows; launched where
+    that path does not hold (never planned: here rows with a key stride of 2, so no 16-byte
+    access), they still give the softmax, key by key (causal rows are never lean)."""
+    from drvsoftmax import _core, _plan
+    from drvsoftmax import torch as tfront
+
+    real = _plan.plan_forward
+
+    def forced(rows, sk_, dtype_, mask_kind, vector, *args, **kw):
+        return real(rows, sk_, dtype_, mask_kind, True, False, *args[1:], **kw)
+
+    monkeypatch.setattr(_plan, "plan_forward", forced)
+    _core._cache.clear()
+    tfront._prepared.clear()
+    try:
+        x = _rand((2, 3, 2 * sk), DTYPES[dtype])[..., ::2]
+        assert (
+            forced(6, sk, dtype, "none", False).kernel == f"smx_fwd<{_plan.X_DTYPES[dtype][0]}, MaskNone, 8, 1, false>"
+        )
+        _check_forward(x, scale=0.8, what=f"{dtype} Sk={sk} key stride 2")
+        kl = torch.tensor([sk // 2, sk + 1], dtype=torch.int64, device="cuda")
+        _check_forward(x, scale=-0.6, key_lengths=kl, what=f"{dtype} Sk={sk} key stride 2 key_lengths")
+        out = torch.full((2, 3, 2 * sk), 5.0, dtype=DTYPES[dtype], device="cuda")
+        drvsoftmax.scaled_masked_softmax(x, scale=0.8, out=out[..., ::2])
+        torch.cuda.synchronize()
+        assert torch.all(out[..., 1::2] == 5.0), "a store reached between the keys of a strided row"
+    finally:
+        _core._cache.clear()
+        tfront._prepared.clear()

@@ -132,17 +132,48 @@ def test_lean_kernels_take_long_16bit_rows_without_a_mask(dtype, sk, tpr, block,
     assert (_tpr(plan), plan.block) == (tpr, block), plan
     assert plan.grid == -(-1000 // (block // tpr))
     assert plan.kernel in _plan.packaged_kernel_names()
-    # Not lean: a mask, causal, rows off the chunk grid, element-wise access, the backward.
+    # Not lean: a mask, causal, element-wise access, the backward.
     for other in (
         _plan.plan_forward(1000, sk, dtype, "none", True, True, causal=True),
         _plan.plan_forward(1000, sk, dtype, "hide1", True, True),
         _plan.plan_forward(1000, sk, dtype, f"add_{dtype}", True, True),
-        _plan.plan_forward(1000, sk, dtype, "none", True, False),
         _plan.plan_forward(1000, sk, dtype, "none", False, True),
         _plan.plan_backward(1000, sk, dtype, True, True),
     ):
         assert other.nch == 4, other
-    assert _plan.plan_forward(1000, sk + 1, dtype, "none", True, True).nch == 4  # 4097 etc.: general kernels
+    # Rows off the chunk grid (4097 etc.) are edged: lean in the general kernel beyond
+    # LEAN_FROM whole chunks, not when causal.
+    for k, aligned in ((sk, False), (sk + 1, True), (sk + 1, False)):
+        if k > 16384:  # (beyond the register tier)
+            continue
+        edged = _plan.plan_forward(1000, k, dtype, "none", True, aligned)
+        assert not edged.whole and "edged rows" in edged.reason, edged
+        assert edged.kernel == f"smx_fwd<{t}, MaskNone, {nch}, 1, false>", edged
+        assert edged.kernel in _plan.packaged_kernel_names()
+        assert _plan.plan_forward(1000, k, dtype, "none", True, aligned, causal=True).nch == 4
+
+
+@pytest.mark.parametrize("dtype,sk,nch", [("float16", 77, 2), ("bfloat16", 4097, 8), ("float32", 197, 2)])
+def test_edged_rows_are_planned_by_their_whole_chunks(dtype, sk, nch):
+    """Rows off the 16-byte grid without a mask: threads for the row's whole 16-byte blocks,
+    the keys outside them one per lane (two at 2 chunks per thread); a mask, element-wise
+    access or an fp32 row of more chunks take the general path's one chunk more."""
+    item, n = _plan.X_DTYPES[dtype][1], 16 // _plan.X_DTYPES[dtype][1]
+    plan = _plan.plan_forward(10, sk, dtype, "none", True, False)
+    assert "edged rows" in plan.reason and plan.nch == nch and not plan.whole, plan
+    assert _tpr(plan) == 1 << (-(-(sk // n) // nch) - 1).bit_length(), plan
+    assert _plan.edged_kernel(item, plan.nch, plan.rpt, _tpr(plan))
+    assert _tpr(plan) * _plan.edge_slots(plan.nch) >= 2 * (n - 1)
+    for other in (
+        _plan.plan_forward(10, sk, dtype, "hide1", True, False),
+        _plan.plan_forward(10, sk, dtype, "none", False, False),
+        _plan.plan_forward(10, 4097, "float32", "none", True, False),
+    ):
+        assert "edged rows" not in other.reason, other
+    # Too few lanes for the edges: the general path (fp16 Sk 60: 7 whole chunks, 4 threads).
+    assert "edged rows" not in _plan.plan_forward(10, 60, "float16", "none", True, False).reason
+    assert not _plan.edged_kernel(2, 2, 1, 4) and _plan.edged_kernel(2, 2, 1, 8) and not _plan.edged_kernel(2, 4, 1, 8)
+    assert not _plan.edged_kernel(4, 4, 1, 64) and _plan.edged_kernel(4, 2, 1, 4)
 
 
 def test_lean_rows_are_16bit_without_a_mask_on_whole_chunks():
