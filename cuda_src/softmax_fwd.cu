@@ -501,10 +501,11 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
   const smx_u32 z = (smx_u32)p.flags & SMX_F_ZERO;
   int j = h + lane * N;  // chunk k's key: j + k * step
   int step = tpr * N;
-  Chunk<T> cx[NCH];
+  Chunk<T> cx[1][NCH];
+  MaskChunk<M, N> cm[1][NCH];  // (no mask: never read)
 #pragma unroll
   for (int k = 0; k < NCH; ++k)
-    if (j + k * step < clim) cx[k].raw = smx_ld16(rw.x + j + k * step);
+    if (j + k * step < clim) cx[0][k].raw = smx_ld16(rw.x + j + k * step);
   const int ej = lane < h ? lane : lane - h + t0;
   const bool est = act && ej < p.sk;  // this lane stores an edge
   float ev = -SMX_INF;
@@ -513,43 +514,32 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     float v[N];
-    smx_edged_values<T>(v, cx[k], j + k * step, clim, p.scale);
+    smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale);
 #pragma unroll
     for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[e]);
   }
   smx_warp_allreduce<OpMax, 1>(mx, tpr);
   const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
-  // (see smx_fwd_opaque: the passes compute the values again rather than keep them)
-  j ^= (int)z;
-  step ^= (int)z;
-#pragma unroll
-  for (int k = 0; k < NCH; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cx[k].w[i] ^= z;
+  smx_fwd_opaque<T, M, NCH, 1>(cx, cm, j, step, z);  // the passes compute the values again
   ev = smx_exp2(fmaf(ev, SMX_LOG2E, -mxl));
   float s[1] = {ev}, fac[1];
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     float v[N];
-    smx_edged_values<T>(v, cx[k], j + k * step, clim, p.scale);
+    smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale);
 #pragma unroll
     for (int e = 0; e < N; ++e) s[0] += smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl));
   }
   smx_warp_allreduce<OpSum, 1>(s, tpr);
   smx_row_stats<1>(mx, s, fac, tpr, red);
   if (!act) return;
-  j ^= (int)z;
-  step ^= (int)z;
-#pragma unroll
-  for (int k = 0; k < NCH; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cx[k].w[i] ^= z;
+  smx_fwd_opaque<T, M, NCH, 1>(cx, cm, j, step, z);
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     const int j0 = j + k * step;
     if (j0 < t0) {
       float v[N];
-      smx_edged_values<T>(v, cx[k], j0, clim, p.scale);
+      smx_edged_values<T>(v, cx[0][k], j0, clim, p.scale);
 #pragma unroll
       for (int e = 0; e < N; ++e) v[e] = smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl)) * fac[0];
       smx_st16(rw.y + j0, smx_pack_chunk<T>(v));
