@@ -118,9 +118,9 @@ def lean_rows(itemsize: int, mask_kind: str, whole: bool, causal: bool = False) 
 # chunks where the kernel then takes that path: 16-bit x (beyond LEAN_FROM whole chunks in
 # the lean kernels' shape, smx_fwd_edged_lean) or 2 chunks per thread, one row per thread,
 # and a lane for every edge.  Measured on the H200 against the general path (first and last
-# chunk element by element), % of copy, fp16 / bf16: Sk 77 39 -> 60 / 38 -> 58, 197 50 ->
-# 81 / 50 -> 79, 577 54 -> 77 / 53 -> 74, 1001 88 -> 98 / 87 -> 98, 2047 61 -> 94 / 60 ->
-# 93, 4097 72 -> 93 / 71 -> 92, 16383 35 -> 92 / 36 -> 90 (the 4-chunk edged row there: 77 /
+# chunk element by element), % of copy, fp16 / bf16: Sk 77 39 -> 66 / 38 -> 62, 197 50 ->
+# 81 / 50 -> 79, 577 54 -> 77 / 53 -> 74, 1001 88 -> 98 / 87 -> 99, 2047 61 -> 97 / 60 ->
+# 95, 4097 72 -> 97 / 71 -> 96, 16383 35 -> 97 / 36 -> 95 (the 4-chunk edged row there: 77 /
 # 77); fp32 (2 chunks per thread only: at 4 chunks the general path measured 95 against 92%
 # at Sk 4097) 77 52 -> 80, 197 74 -> 90.
 
