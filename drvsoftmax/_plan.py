@@ -224,9 +224,9 @@ def all_kernel_names() -> list[str]:
         names += _bwd_names(dt, item)
         names.append(kernel_bwd_loop(dt))
     for dt in X_DTYPES:  # the cluster tier (sm_90+) last: the earlier names keep their order
-        names += [kernel_fwd_cluster(dt, mk) for mk in MASK_KINDS]
-        names.append(kernel_fwd_cluster(dt, "none", CLUSTER_REG))
-        names += [kernel_bwd_cluster(dt), kernel_bwd_cluster(dt, CLUSTER_REG)]
+        item = X_DTYPES[dt][1]  # (where a register variant exists, it is the one planned)
+        names += [kernel_fwd_cluster(dt, mk, CLUSTER_REG if cluster_reg_variant(item, mk) else 0) for mk in MASK_KINDS]
+        names.append(kernel_bwd_cluster(dt, CLUSTER_REG))
     for dt in X_DTYPES:  # the coop tier after them
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
@@ -261,19 +261,33 @@ CLUSTER_MIN_CC = 90  # compute capability of the first chip with clusters
 CLUSTER_SIZES = (2, 4, 8, 16)  # CTAs per cluster; more than 8 is a non-portable size
 CLUSTER_PORTABLE = 8
 CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
-# Shared memory per CTA the planner aims below, so that several CTAs share an SM (one
-# CTA's loads overlap another's reductions and stores); larger slices are taken up to the
-# device's per-block limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).
-CLUSTER_SMEM_TARGET = 64 * 1024
+# Shared memory per CTA the planner aims below: the smallest cluster whose blocks stay
+# under it (two of them share an SM), else the largest that fits the device's per-block
+# limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).  Fewer, larger slices
+# measured faster on the H200 (% of copy, the smallest cluster under 64 KB -> under 112 KB,
+# with the register variant below): fp16 forward 65536 keys 73 -> 79, fp32 65536 82 -> 87,
+# fp32 262144 75 -> 83; backward fp16 65536 75 -> 88, 262144 69 -> 77; fp16 forward with a
+# bool mask 65536 56 -> 61, 262144 50 -> 55.
+CLUSTER_SMEM_TARGET = 112 * 1024
 CLUSTER_SMEM_RESERVE = 1024
 # A masked forward or a backward in clusters of the largest size whose blocks need more
 # shared memory than this (one block per SM) loses to the looped tier (measured on the
 # H200, % of copy cluster / loop, fp16 rows of 1M keys: bool mask 39 / 52, backward 52 /
 # 57; the forward without a mask keeps its clusters: 62 / 56).
 CLUSTER_LOOP_SMEM = 128 * 1024
-# Chunks per thread the register variants (forward without a mask, backward) hold in
-# registers: taken where shared memory alone fits one CTA per SM and with them two fit.
+# Chunks per thread the register variants hold in registers (the forward without a mask,
+# the fp32 forward with any mask, the backward): the cluster tier always takes them there
+# (measured on the H200, % of copy, the same cluster without -> with them: fp16 forward
+# 65536 keys 74 -> 79, fp32 forward with a bool mask 65536 73 -> 80, 262144 62 -> 75; the
+# fp16 forward with a bool mask lost 1-2 points: it has no variant), the coop tier where
+# shared memory alone fits one block per SM and with them two fit.
 CLUSTER_REG = 4
+
+
+def cluster_reg_variant(itemsize: int, mask_kind: str) -> bool:
+    """The cluster tier's forward of x of `itemsize` bytes with this mask kind takes the
+    register variant (see CLUSTER_REG)."""
+    return mask_kind == "none" or itemsize == 4
 
 
 # The coop tier (every architecture the package builds for): rows beyond the register tier
@@ -294,6 +308,8 @@ FORCE_COOP = os.environ.get(FORCE_COOP_ENV, "").strip().lower() not in ("", "0",
 # True: the coop tier for every long row it holds that no cluster does (default False: the
 # looped tier, measured faster; see above).
 COOP_WHERE_IT_FITS = False
+# Shared memory per block the coop tier aims below (as CLUSTER_SMEM_TARGET).
+COOP_SMEM_TARGET = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -379,7 +395,7 @@ def coop_shape(
     block) holding a row of `sk` elements in the coop tier, `reg` chunks per thread in
     registers; None when the device has no coop tier or the row does not fit.
 
-    The fewest blocks whose slices stay under CLUSTER_SMEM_TARGET with two blocks per SM,
+    The fewest blocks whose slices stay under COOP_SMEM_TARGET with two blocks per SM,
     else the fewest that fit at all.  Every block holds at least one chunk of the row (its
     pair is written there), and, where the SM count is known, G blocks surely fit the
     device at once."""
@@ -400,7 +416,7 @@ def coop_shape(
             continue
         if caps.sm_count and g > caps.sm_count * blocks_per_sm(smem, caps):
             continue
-        if smem <= CLUSTER_SMEM_TARGET and _two_per_sm(smem, caps):
+        if smem <= COOP_SMEM_TARGET and _two_per_sm(smem, caps):
             return g, q, smem
         if fit is None:
             fit = (g, q, smem)
@@ -539,22 +555,29 @@ def whole_chunks(sk: int, itemsize: int, vector: bool, aligned_rows: bool) -> bo
 
 
 def _with_registers(
-    names: tuple[str, str | None], caps: DeviceCaps, shape_of: Callable[[int], tuple[int, int, int] | None]
+    names: tuple[str | None, str | None],
+    caps: DeviceCaps,
+    shape_of: Callable[[int], tuple[int, int, int] | None],
+    prefer: bool = False,
 ) -> tuple[tuple[int, int, int], str, int] | None:
     """(shape, kernel, chunks per thread in registers) of a long-row tier: every chunk in
     shared memory (`names[0]`), unless that leaves one block per SM (or does not fit) and
-    the register variant `names[1]`, if any, gives two (or fits at all).  `shape_of(reg)`
-    is the tier's shape with `reg` chunks per thread in registers, or None."""
+    the register variant `names[1]`, if any, gives two (or fits at all); `prefer`: the
+    register variant, if any, wherever it fits (with it a row needs less shared memory).
+    `shape_of(reg)` is the tier's shape with `reg` chunks per thread in registers, or None."""
+    if prefer and names[1] is not None:
+        alt = shape_of(CLUSTER_REG)
+        return None if alt is None else (alt, names[1], CLUSTER_REG)
     shape = shape_of(0)
     if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
         alt = shape_of(CLUSTER_REG)
         if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
             return alt, names[1], CLUSTER_REG
-    return None if shape is None else (shape, names[0], 0)
+    return None if shape is None or names[0] is None else (shape, names[0], 0)
 
 
 def _cluster_plan(
-    names: tuple[str, str | None],
+    names: tuple[str | None, str | None],
     rows: int,
     sk: int,
     item: int,
@@ -564,11 +587,12 @@ def _cluster_plan(
     caps: DeviceCaps,
     big_loses: bool = False,
 ) -> LaunchPlan | None:
-    """`names`: the kernel with every chunk in shared memory, and its register variant
-    (CLUSTER_REG chunks per thread in registers) if there is one; `big_loses`: a masked
+    """`names`: the kernel with every chunk in shared memory (None where the register
+    variant is the one planned), and the register variant (CLUSTER_REG chunks per thread in
+    registers) if there is one; `big_loses`: a masked
     forward or a backward (see CLUSTER_LOOP_SMEM)."""
     chunks = row_chunks(sk, item, aligned_rows)
-    picked = _with_registers(names, caps, lambda reg: cluster_shape(chunks, slot_bytes, caps, reg))
+    picked = _with_registers(names, caps, lambda reg: cluster_shape(chunks, slot_bytes, caps, reg), True)
     if picked is None:
         return None
     (cs, q, smem), name, reg = picked
@@ -646,14 +670,15 @@ def plan_forward(
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
-        names = (
-            kernel_fwd_cluster(dtype, mask_kind),
-            kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
+        reg = cluster_reg_variant(item, mask_kind)
+        in_cluster = (
+            None if reg else kernel_fwd_cluster(dtype, mask_kind),
+            kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if reg else None,
         )
         plan = (
             None
             if FORCE_COOP
-            else _cluster_plan(names, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
+            else _cluster_plan(in_cluster, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (
@@ -676,11 +701,11 @@ def plan_backward(
     whole = whole_chunks(sk, item, vector, aligned_rows)
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows, whole)
     if tier == "loop" and caps is not None:
-        names = (kernel_bwd_cluster(dtype), kernel_bwd_cluster(dtype, CLUSTER_REG))
+        in_cluster: tuple[str | None, str | None] = (None, kernel_bwd_cluster(dtype, CLUSTER_REG))
         plan = (
             None
             if FORCE_COOP
-            else _cluster_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
+            else _cluster_plan(in_cluster, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))

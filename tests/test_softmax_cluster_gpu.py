@@ -275,6 +275,29 @@ def test_forward_many_clusters_cover_every_row():
     assert not torch.isnan(y).any()
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_rows_that_differ_in_every_way_in_one_launch(dtype):
+    """Rows of one launch that differ in alignment (a strided view whose rows start at every
+    offset from the 16-byte grid), mask, key lengths, causal visibility and non-finite
+    values; forward and backward."""
+    rows, sk = 7, 40003
+    base = _rand((rows, sk + 3), DTYPES[dtype])
+    x = base[:, 1 : sk + 1]
+    mask = torch.from_numpy(_gen.random((rows, sk)) < 0.3).cuda()
+    mask[3, :] = True
+    kl = torch.tensor([sk, 5, 20000, sk - 1, 1, 0, 33333], device="cuda", dtype=torch.int32)
+    _check_forward(x, mask, scale=0.7, what=f"{dtype} masked")
+    _check_forward(x.reshape(1, rows, sk), causal=True, key_lengths=kl[:1], what=f"{dtype} causal")
+    _check_forward(x.reshape(rows, 1, sk), key_lengths=kl, what=f"{dtype} key lengths")
+    x[2, 100:300] = float("inf")  # rows of NaN (a row whose scores hold +inf or NaN is all NaN)
+    x[5, 7] = float("nan")
+    x[4, :] = float("-inf")  # zeros
+    _check_forward(x, what=f"{dtype} non-finite")
+    y = torch.softmax(_rand((rows, sk), torch.float32), -1).to(DTYPES[dtype])
+    _check_backward(_rand((rows, sk), DTYPES[dtype]), y, what=f"{dtype} backward")
+    _check_backward(base[:, 2 : sk + 2], y, what=f"{dtype} backward, unaligned dy")
+
+
 def test_forward_on_a_side_stream_and_in_a_cuda_graph():
     x = _rand((4, 50000), torch.bfloat16)
     ref = _reference.softmax_forward(_np(x), None, 0.25)

@@ -118,7 +118,7 @@ def test_coop_shapes_hold_the_row(caps, dtype, backward):
                         smem2 = q2 * 256 * slot
                         two = 2 * (smem2 + 1024) <= caps.smem_per_block + 1024
                         assert not (
-                            _fits(caps, g2, q2, 0, slot, sk, n_of) and smem2 <= _plan.CLUSTER_SMEM_TARGET and two
+                            _fits(caps, g2, q2, 0, slot, sk, n_of) and smem2 <= _plan.COOP_SMEM_TARGET and two
                         ), (mk, sk, g2, p)
     assert "coop" in tiers
 
