@@ -286,7 +286,7 @@ def _verified_bytes(art: Artifacts, fname: str) -> bytes:
 
 
 # ----------------------------------------------------------------------------------
-# Loaded libraries: one per (image identity), shared by every device that uses it.
+# Loaded libraries: one per image (by content), shared by every device that uses it.
 
 _lib_lock = threading.Lock()
 _libraries: dict[str, object] = {}
@@ -403,7 +403,9 @@ def find_kernel(name: str, arch: str, driver_version: int) -> tuple[Any, str]:
         try:
             if step.source in ("packaged cubin", "packaged PTX"):
                 assert step.entry is not None
-                key = "pkg:" + step.fname  # a file holds several kernels: read and verify it once
+                # A file holds several kernels: read and verify it once.  Its library is known
+                # by name and content (another folder's file of that name is another library).
+                key = f"pkg:{step.fname}:{step.entry['sha256']}"
                 lib = _libraries.get(key) or _load_library(key, _verified_bytes(artifacts(), step.fname))
                 k = _get_kernel(lib, step.entry["lowered"][name])
                 origin = str(step) + (" (JIT by the driver)" if step.source == "packaged PTX" else "")

@@ -234,6 +234,20 @@ def test_reference_rows_match_numpy(case):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
 
 
+def test_a_cpu_run_leaves_out_the_peers_that_take_cuda_tensors_only(monkeypatch):
+    """Even where they import (a GPU machine with the peers installed): a --cpu-smoke run
+    would hand them CPU tensors."""
+    loaded = []
+    for name in P.CUDA_ONLY:
+        monkeypatch.setattr(P.Peers, "_load_" + name, lambda self, n=name: loaded.append(n), raising=False)
+    peers = P.Peers(torch, P.PROVIDERS, cpu=True)
+    assert loaded == []
+    assert {n: peers.missing.get(n) for n in P.CUDA_ONLY} == {n: P.CPU_RUN for n in P.CUDA_ONLY}
+    assert all(peers.available(n) for n in ("drvsoftmax", "eager", "torch.softmax"))
+    on_gpu = P.Peers(torch, P.PROVIDERS)  # a GPU run loads them
+    assert loaded == list(P.CUDA_ONLY) and all(on_gpu.available(n) for n in P.CUDA_ONLY)
+
+
 @pytest.mark.parametrize("case", SMALL, ids=[c.name for c in SMALL])
 def test_providers_agree_with_the_reference_on_cpu(case):
     """drvsoftmax (CPU path), the eager expression and torch.softmax pass the benchmark's check; a

@@ -126,6 +126,37 @@ def test_exact_cubin_first(chain):
     assert _loader.describe_source("sm_90", 13000).startswith("packaged cubin sm_90 for 2 of ")
 
 
+def test_a_library_of_another_file_of_that_name_is_not_taken(chain, monkeypatch, tmp_path):
+    """A library loaded earlier in the process from a file of the same name with other bytes
+    (another package folder) is another library: the loader reads and loads this one."""
+    import shutil
+
+    folder, loads, compiled = chain
+
+    def load(key, image):  # as the real one: remembered by key
+        loads.append((key, image[:8]))
+        lib = _loader._libraries[key] = ("lib", key)
+        return lib
+
+    monkeypatch.setattr(_loader, "_load_library", load)
+    monkeypatch.setattr(_loader, "_libraries", {})
+    k1, origin = _loader.find_kernel(K1, "sm_90", 13000)
+    assert origin == "packaged cubin drvsoftmax_sm_90_000.cubin" and len(loads) == 1
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    fname = "drvsoftmax_sm_90_000.cubin"
+    data = (other / fname).read_bytes() + b"\0" * 16
+    (other / fname).write_bytes(data)
+    m = json.loads((other / "manifest.json").read_text())
+    m["files"][fname].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    (other / "manifest.json").write_text(json.dumps(m))
+    monkeypatch.setattr(_loader, "ARTIFACT_DIR", other)
+    _loader._read_artifacts.cache_clear()
+    k2, origin = _loader.find_kernel(K1, "sm_90", 13000)
+    assert origin == f"packaged cubin {fname}" and len(loads) == 2 and k2 != k1
+    assert _loader.find_kernel(K1, "sm_90", 13000)[0] == k2 and len(loads) == 2  # and it is remembered
+
+
 def _ptx_driver(folder) -> int:
     """The oldest driver version that takes the PTX this NVRTC wrote (13000 for NVRTC 13.0,
     13050 for 13.5: the build records it, and the loader compares against it)."""
@@ -324,7 +355,7 @@ def test_newest_same_major_cubin(fake_chain, device, want):
     _fake_manifest(folder, CUBINS)
     k, origin = _loader.find_kernel(K1, device, 13000)
     assert origin.startswith(f"packaged cubin c_{want}.cubin"), origin
-    assert loads[-1][0] == f"pkg:c_{want}.cubin" and not compiled
+    assert loads[-1][0].startswith(f"pkg:c_{want}.cubin:") and not compiled
     assert _loader.describe_source(device, 13000, K1) == f"packaged cubin c_{want}.cubin" + (
         "" if want == device else f" ({want})"
     )

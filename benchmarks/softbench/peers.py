@@ -34,6 +34,10 @@ from .cases import SCALE, Case, next_pow2
 
 PROVIDERS = ("drvsoftmax", "eager", "torch.softmax", "quack", "apex", "liger", "compile")
 OURS = "drvsoftmax"
+# Providers that take CUDA tensors only: a --cpu-smoke run leaves them out even where they
+# import (a machine with a GPU and the peers installed), with this reason.
+CUDA_ONLY = ("quack", "apex", "liger")
+CPU_RUN = "takes CUDA tensors only (a --cpu-smoke run is on the CPU)"
 PLAIN = frozenset({"torch.softmax", "quack", "liger"})  # no scale: softmax(x) and its backward
 PEERS_DIR = Path(os.environ.get("DRVSOFTMAX_PEERS", "/tmp/peers"))
 APEX_BUILD = "apex_build"
@@ -188,9 +192,10 @@ def error_text(e: BaseException) -> str:
 
 
 class Peers:
-    """The providers that import here, with versions, and the reasons for those that do not."""
+    """The providers that import here, with versions, and the reasons for those that do not
+    (`cpu`: a run on the CPU, which leaves CUDA_ONLY out)."""
 
-    def __init__(self, torch, names=PROVIDERS):
+    def __init__(self, torch, names=PROVIDERS, cpu: bool = False):
         self.torch = torch
         self.mods: dict[str, object] = {}
         self.apex: dict[str, object] = {}
@@ -198,6 +203,9 @@ class Peers:
         self.missing: dict[str, str] = {}
         add_peers_path()
         for name in names:
+            if cpu and name in CUDA_ONLY:
+                self.missing[name] = CPU_RUN
+                continue
             try:
                 getattr(self, "_load_" + name.replace(".", "_"))()
             except Exception as e:

@@ -617,7 +617,7 @@ def run(args, t0: float) -> int:
         print("No CUDA device is visible: this benchmark needs a GPU (--dry-run lists the plan anywhere).")
         return 2
     env = environment(torch, args.commit, dev.name)
-    peers = P.Peers(torch, providers)
+    peers = P.Peers(torch, providers, cpu=smoke)
     out = Path(args.out) if args.out else RESULTS
     runner = Runner(dev, peers, env, out, budget_of(args), t0, providers)
     runner.log(
@@ -735,7 +735,7 @@ def prewarm(args, t0: float) -> int:
     device = "cpu" if smoke else "cuda"
     import torch
 
-    peers = P.Peers(torch, wanted)
+    peers = P.Peers(torch, wanted, cpu=smoke)
     for p, w in peers.missing.items():
         print(f"[prewarm {k}/{n}] {p} not available: {w}", flush=True)
     done = failed = 0
