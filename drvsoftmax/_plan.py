@@ -81,7 +81,10 @@ MAX_CHUNKS = {2: 2048, 4: 4096}
 # or more) skips the table's 4-chunk row: 8 chunks per thread.  Measured on the H200 with
 # an additive fp32 mask [B,1,Sq,Sk]: 74% -> 98% of copy at Sk 1000, 77 -> 88% at 4096, 70 ->
 # 87% at 8192; without a mask and with a bool mask the two rows are within 2-3%, and 16-bit x
-# loses with 8 chunks (64 values per thread).
+# loses with 8 chunks (64 values per thread).  16-bit x with a mask keeps the 4-chunk row:
+# on the H200, fp16 with a bool mask [B,1,Sq,Sk], % of copy for (chunks, rows) per thread
+# (4, 1) / (2, 1) / (2, 2) / (4, 2) / (8, 1): Sk 2048 88 / 70 / 68 / 70 / 50, Sk 4096
+# 83 / 64 / 61 / 64 / 51, Sk 16384 69 / - / - / 47 / 49 (bf16 and additive masks alike).
 WIDE_MASK_SKIPS_NCH = 4
 
 
@@ -267,7 +270,12 @@ CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
 # measured faster on the H200 (% of copy, the smallest cluster under 64 KB -> under 112 KB,
 # with the register variant below): fp16 forward 65536 keys 73 -> 79, fp32 65536 82 -> 87,
 # fp32 262144 75 -> 83; backward fp16 65536 75 -> 88, 262144 69 -> 77; fp16 forward with a
-# bool mask 65536 56 -> 61, 262144 50 -> 55.
+# bool mask 65536 56 -> 61, 262144 50 -> 55.  Smaller slices lose more the smaller they are
+# (fp16 forward 65536 keys, clusters of 2 / 4 / 8 / 16 with 4 chunks per thread in
+# registers: 79 / 66 / 48 / 22%).  Tried and not kept: persistent clusters (one cluster per
+# resident slot, each taking rows c, c + clusters, ..., loading a row into the slots it has
+# just stored): 96 registers instead of 63 leave two CTAs per SM instead of three, and the
+# fp16 forward at 65536 keys fell from 74 to 69%.
 CLUSTER_SMEM_TARGET = 112 * 1024
 CLUSTER_SMEM_RESERVE = 1024
 # A masked forward or a backward in clusters of the largest size whose blocks need more
