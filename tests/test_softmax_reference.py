@@ -16,7 +16,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import TOLS, assert_matches, torch_or_none
+from helpers import TOLS, assert_backward_matches, assert_matches, torch_or_none
 
 import drvsoftmax
 from drvsoftmax import _reference
@@ -743,3 +743,19 @@ def test_wrong_backward_fails_the_checker():
     for wrong in (forgot_scale, forgot_dot):
         with pytest.raises(AssertionError):
             assert_matches(wrong, ref, "float32")
+
+
+def test_the_backward_checker_takes_rows_of_infinite_dy():
+    """Where y == 0 dx is exactly 0 even in a row whose sum(dy * y) is NaN (an infinite dy
+    times y == 0, the rest of the row NaN): the checker accepts those zeros and still
+    refuses anything else there, and in the finite rows beside them."""
+    y = np.array([[0.0, 0.25, 0.75, 0.0], [0.5, 0.5, 0.0, 0.0]], dtype=np.float32)
+    dy = np.array([[np.inf, 1.0, -2.0, 3.0], [1.0, -1.0, 2.0, 0.0]], dtype=np.float32)
+    ref = _reference.softmax_backward(dy, y, 0.5)
+    assert (ref[y == 0] == 0).all() and np.isnan(ref[0, 1:3]).all() and np.isfinite(ref[1]).all()
+    assert_backward_matches(ref.astype(np.float32), dy, y, ref, 0.5, "float32", "exact")
+    for r, j in ((0, 0), (0, 3), (1, 0), (1, 2)):
+        wrong = ref.copy()
+        wrong[r, j] += 1e-3
+        with pytest.raises(AssertionError):
+            assert_backward_matches(wrong, dy, y, ref, 0.5, "float32", "perturbed")
