@@ -287,8 +287,8 @@ CLUSTER_LOOP_SMEM = 128 * 1024
 # the fp32 forward with any mask, the backward): the cluster tier always takes them there
 # (measured on the H200, % of copy, the same cluster without -> with them: fp16 forward
 # 65536 keys 74 -> 79, fp32 forward with a bool mask 65536 73 -> 80, 262144 62 -> 75; the
-# fp16 forward with a bool mask lost 1-2 points: it has no variant), the coop tier where
-# shared memory alone fits one block per SM and with them two fit.
+# fp16 forward with a bool mask lost 1-2 points: it has no variant); the coop tier takes
+# them where shared memory alone fits one block per SM and with them two fit.
 CLUSTER_REG = 4
 
 
@@ -563,29 +563,23 @@ def whole_chunks(sk: int, itemsize: int, vector: bool, aligned_rows: bool) -> bo
 
 
 def _with_registers(
-    names: tuple[str | None, str | None],
-    caps: DeviceCaps,
-    shape_of: Callable[[int], tuple[int, int, int] | None],
-    prefer: bool = False,
+    names: tuple[str, str | None], caps: DeviceCaps, shape_of: Callable[[int], tuple[int, int, int] | None]
 ) -> tuple[tuple[int, int, int], str, int] | None:
-    """(shape, kernel, chunks per thread in registers) of a long-row tier: every chunk in
+    """(shape, kernel, chunks per thread in registers) of the coop tier: every chunk in
     shared memory (`names[0]`), unless that leaves one block per SM (or does not fit) and
-    the register variant `names[1]`, if any, gives two (or fits at all); `prefer`: the
-    register variant, if any, wherever it fits (with it a row needs less shared memory).
-    `shape_of(reg)` is the tier's shape with `reg` chunks per thread in registers, or None."""
-    if prefer and names[1] is not None:
-        alt = shape_of(CLUSTER_REG)
-        return None if alt is None else (alt, names[1], CLUSTER_REG)
+    the register variant `names[1]`, if any, gives two (or fits at all).  `shape_of(reg)`
+    is the tier's shape with `reg` chunks per thread in registers, or None."""
     shape = shape_of(0)
     if names[1] is not None and (shape is None or not _two_per_sm(shape[2], caps)):
         alt = shape_of(CLUSTER_REG)
         if alt is not None and (shape is None or _two_per_sm(alt[2], caps)):
             return alt, names[1], CLUSTER_REG
-    return None if shape is None or names[0] is None else (shape, names[0], 0)
+    return None if shape is None else (shape, names[0], 0)
 
 
 def _cluster_plan(
-    names: tuple[str | None, str | None],
+    name: str,
+    reg: int,
     rows: int,
     sk: int,
     item: int,
@@ -595,15 +589,14 @@ def _cluster_plan(
     caps: DeviceCaps,
     big_loses: bool = False,
 ) -> LaunchPlan | None:
-    """`names`: the kernel with every chunk in shared memory (None where the register
-    variant is the one planned), and the register variant (CLUSTER_REG chunks per thread in
-    registers) if there is one; `big_loses`: a masked
-    forward or a backward (see CLUSTER_LOOP_SMEM)."""
+    """The cluster tier's plan of kernel `name`, which holds `reg` chunks per thread in
+    registers (0 or CLUSTER_REG); `big_loses`: a masked forward or a backward (see
+    CLUSTER_LOOP_SMEM)."""
     chunks = row_chunks(sk, item, aligned_rows)
-    picked = _with_registers(names, caps, lambda reg: cluster_shape(chunks, slot_bytes, caps, reg), True)
-    if picked is None:
+    shape = cluster_shape(chunks, slot_bytes, caps, reg)
+    if shape is None:
         return None
-    (cs, q, smem), name, reg = picked
+    cs, q, smem = shape
     if rows * cs > MAX_GRID:
         return None
     if big_loses and cs == max(CLUSTER_SIZES) and smem > CLUSTER_LOOP_SMEM:
@@ -678,15 +671,12 @@ def plan_forward(
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
-        reg = cluster_reg_variant(item, mask_kind)
-        in_cluster = (
-            None if reg else kernel_fwd_cluster(dtype, mask_kind),
-            kernel_fwd_cluster(dtype, mask_kind, CLUSTER_REG) if reg else None,
-        )
+        reg = CLUSTER_REG if cluster_reg_variant(item, mask_kind) else 0
+        name = kernel_fwd_cluster(dtype, mask_kind, reg)
         plan = (
             None
             if FORCE_COOP
-            else _cluster_plan(in_cluster, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
+            else _cluster_plan(name, reg, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (
@@ -709,11 +699,11 @@ def plan_backward(
     whole = whole_chunks(sk, item, vector, aligned_rows)
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows, whole)
     if tier == "loop" and caps is not None:
-        in_cluster: tuple[str | None, str | None] = (None, kernel_bwd_cluster(dtype, CLUSTER_REG))
+        name = kernel_bwd_cluster(dtype, CLUSTER_REG)
         plan = (
             None
             if FORCE_COOP
-            else _cluster_plan(in_cluster, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
+            else _cluster_plan(name, CLUSTER_REG, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))
