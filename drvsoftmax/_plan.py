@@ -227,8 +227,7 @@ def all_kernel_names() -> list[str]:
         names += _bwd_names(dt, item)
         names.append(kernel_bwd_loop(dt))
     for dt in X_DTYPES:  # the cluster tier (sm_90+) last: the earlier names keep their order
-        item = X_DTYPES[dt][1]  # (where a register variant exists, it is the one planned)
-        names += [kernel_fwd_cluster(dt, mk, CLUSTER_REG if cluster_reg_variant(item, mk) else 0) for mk in MASK_KINDS]
+        names += [kernel_fwd_cluster(dt, mk, cluster_reg(X_DTYPES[dt][1], mk)) for mk in MASK_KINDS]
         names.append(kernel_bwd_cluster(dt, CLUSTER_REG))
     for dt in X_DTYPES:  # the coop tier after them
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
@@ -292,10 +291,10 @@ CLUSTER_LOOP_SMEM = 128 * 1024
 CLUSTER_REG = 4
 
 
-def cluster_reg_variant(itemsize: int, mask_kind: str) -> bool:
-    """The cluster tier's forward of x of `itemsize` bytes with this mask kind takes the
-    register variant (see CLUSTER_REG)."""
-    return mask_kind == "none" or itemsize == 4
+def cluster_reg(itemsize: int, mask_kind: str) -> int:
+    """Chunks per thread in registers of the cluster tier's forward of x of `itemsize`
+    bytes with this mask kind: CLUSTER_REG (the register variant) or 0."""
+    return CLUSTER_REG if mask_kind == "none" or itemsize == 4 else 0
 
 
 # The coop tier (every architecture the package builds for): rows beyond the register tier
@@ -671,7 +670,7 @@ def plan_forward(
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
-        reg = CLUSTER_REG if cluster_reg_variant(item, mask_kind) else 0
+        reg = cluster_reg(item, mask_kind)
         name = kernel_fwd_cluster(dtype, mask_kind, reg)
         plan = (
             None

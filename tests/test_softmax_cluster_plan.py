@@ -92,7 +92,7 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 rows = 37
                 p = _plan_of(backward, rows, sk, dtype, mk, aligned, caps)
                 chunks = _plan.row_chunks(sk, ITEM[dtype], aligned)
-                reg_variant = backward or _plan.cluster_reg_variant(ITEM[dtype], mk)
+                reg_variant = backward or _plan.cluster_reg(ITEM[dtype], mk) > 0
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
                 if want is None:
                     assert p.tier in ("coop", "loop") and p.cluster == 0, (mk, sk, p)
