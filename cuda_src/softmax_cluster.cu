@@ -14,13 +14,11 @@
 //           committed in SMX_CL_PARTS groups, so that PAIR starts on the first part of the
 //           slice while the rest still arrives;
 //   PAIR    the thread's (max, sum) over its chunks (the register tier's VALUES), merged
-//           over the warp, the CTA, then the cluster: each CTA publishes its pair in shared
-//           memory, and after one cluster barrier (arrive.release / wait.acquire) every warp
-//           reads all CS pairs through distributed shared memory (mapa + ld.shared::cluster)
-//           and merges them in the same order, so every CTA holds the same row statistics;
+//           over the warp, the CTA, then the cluster: each CTA stores its pair into every
+//           CTA's shared memory (st.async through distributed shared memory, completing on
+//           the receiver's mbarrier; SmxClusterX), and every warp merges the CS pairs it
+//           received in the same order, so every CTA holds the same row statistics;
 //   STORE   y of the thread's chunks from shared memory (VALUES again, the tier's STORE).
-// A CTA may not leave while another still reads its pair: a second cluster barrier is
-// arrived at right after the reads and waited on before the CTA exits.
 // Backward: dy and y held in shared memory alike; the pair is the dot product sum(dy * y).
 //
 // The dynamic shared memory size tells the kernel Q: Q * B * (bytes of a chunk of every
@@ -150,39 +148,72 @@ __device__ __forceinline__ smx_u32 smx_cluster_size() {
   asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   return r;
 }
-// Cluster barrier: arrive releases this thread's prior writes (shared memory included) to
-// the threads of the cluster that then wait (acquire).  Every thread of every CTA takes
-// part, warps converged (.aligned).
-__device__ __forceinline__ void smx_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void smx_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// Two floats at the shared-memory address of `p` in the CTA `rank` of this cluster.
-__device__ __forceinline__ void smx_ld_cluster2(float& a, float& b, const void* p, smx_u32 rank) {
+// The cluster's exchange, one way and without a fence: lanes 0..CS-1 of warp 0 (each
+// holding the CTA's pair) store it into slot `rank` of CTA lane's `slots`, by st.async
+// that completes its 8 bytes on that CTA's mbarrier; every thread waits on its own CTA's
+// mbarrier (armed for CS * 8 bytes) and then reads the CS slots in the same order.
+// The mbarrier is initialised and armed by thread 0 at the start; the cluster barrier
+// arrived at there (relaxed, after the init fence) is waited on just before the first
+// remote store, so that no CTA stores into a peer's mbarrier before the peer has
+// initialised it, and the wait costs nothing by then.  No CTA writes into another after
+// that CTA has received all CS pairs (it receives exactly one from each), and a CTA leaves
+// only once it has received them all: nothing is left to wait for at the end.
+// (barrier.cluster.arrive.release compiles to a GPU-scope memory barrier: measured slow.)
+struct SmxClusterShared {
+  smx_u64 bar;
+  float slots[16][2];
+};
+__device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
   smx_u32 ra;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(smx_smem_addr(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(ra) : "memory");
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  return ra;
 }
-
-// The cluster's exchange: one cluster barrier, every warp reads all CS pairs through
-// distributed shared memory; a CTA may not leave while another may still read its pair
-// (the second barrier is arrived at after the reads, waited on in finish()).
 struct SmxClusterX {
-  smx_u32 cs;
+  smx_u32 cs, rank;
+  SmxClusterShared* sh;
+  // Thread 0 initialises and arms the mbarrier; every thread arrives at the cluster barrier.
+  __device__ __forceinline__ void start() const {
+    if (threadIdx.x == 0) {
+      const smx_u32 b = smx_smem_addr(&sh->bar);
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+      asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(b), "r"(cs * 8u)
+                   : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  }
   template <bool SUM, typename T>
-  __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T*, smx_i64, int, int, bool) const {
-    smx_cluster_arrive();
-    smx_cluster_wait();
+  __device__ __forceinline__ void merge(float& m, float& s, const float*, T*, smx_i64, int, int, bool) const {
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     const smx_u32 lane = threadIdx.x & 31;
+    if (threadIdx.x < cs) {  // warp 0, whose lanes hold the CTA's pair
+      const smx_u32 dst = smx_mapa(smx_smem_addr(&sh->slots[rank][0]), threadIdx.x);
+      const smx_u32 bar = smx_mapa(smx_smem_addr(&sh->bar), threadIdx.x);
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(dst),
+                   "r"(__float_as_uint(m)), "r"(__float_as_uint(s)), "r"(bar)
+                   : "memory");
+    }
+    const smx_u32 b = smx_smem_addr(&sh->bar);
+    smx_u32 done;
+    do {
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done)
+                   : "r"(b)
+                   : "memory");
+    } while (!done);
     m = SUM ? 0.0f : -SMX_INF;
     s = 0.0f;
-    if (lane < cs) smx_ld_cluster2(m, s, pair, lane);
+    if (lane < cs) {
+      m = sh->slots[lane][0];
+      s = sh->slots[lane][1];
+    }
     if (SUM) {
       s = smx_warp_sum(s);
     } else {
       smx_warp_pair_merge(m, s);
     }
-    smx_cluster_arrive();  // this CTA has read every pair: the others may leave once all have
   }
-  __device__ __forceinline__ void finish() const { smx_cluster_wait(); }
+  __device__ __forceinline__ void finish() const {}
 };
 #endif
 
@@ -525,6 +556,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
   if (warp == 0) {
     float t = (tid & 31) < SMX_CBLOCK / 32 ? red[tid] : 0.0f;
     t = smx_warp_sum(t);
+    dot = t;  // the cluster's exchange takes the block's sum from warp 0's lanes
     if (tid == 0) {
       pair[0] = 0.0f;
       pair[1] = t;
@@ -558,8 +590,10 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
 #if __CUDA_ARCH__ >= 900
   __shared__ float red[2][SMX_CBLOCK / 32];
   __shared__ float pair[2];
-  const SmxClusterX xc = {smx_cluster_size()};
-  smx_fwd_slice<T, M, R>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)smx_cluster_rank(), xc, red,
+  __shared__ SmxClusterShared xs;
+  const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
+  xc.start();
+  smx_fwd_slice<T, M, R>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)xc.rank, xc, red,
                          pair);
 #endif
 }
@@ -570,8 +604,10 @@ smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict
 #if __CUDA_ARCH__ >= 900
   __shared__ float red[SMX_CBLOCK / 32];
   __shared__ float pair[2];
-  const SmxClusterX xc = {smx_cluster_size()};
-  smx_bwd_slice<T, R>(dy, y, dx, p, (smx_i64)(blockIdx.x / xc.cs), (int)smx_cluster_rank(), xc, red, pair);
+  __shared__ SmxClusterShared xs;
+  const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
+  xc.start();
+  smx_bwd_slice<T, R>(dy, y, dx, p, (smx_i64)(blockIdx.x / xc.cs), (int)xc.rank, xc, red, pair);
 #endif
 }
 

@@ -264,7 +264,8 @@ CLUSTER_SIZES = (2, 4, 8, 16)  # CTAs per cluster; more than 8 is a non-portable
 CLUSTER_PORTABLE = 8
 CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
 # Shared memory per CTA the planner aims below: the smallest cluster whose blocks stay
-# under it (two of them share an SM), else the largest that fits the device's per-block
+# under it (two of them share an SM) and under CLUSTER_CHUNKS_TARGET, else the smallest
+# under it alone, else the largest that fits the device's per-block
 # limit less CLUSTER_SMEM_RESERVE (the kernels' static shared memory).  Fewer, larger slices
 # measured faster on the H200 (% of copy, the smallest cluster under 64 KB -> under 112 KB,
 # with the register variant below): fp16 forward 65536 keys 73 -> 79, fp32 65536 82 -> 87,
@@ -276,6 +277,12 @@ CLUSTER_STEP = 4  # SMX_CL_U: Q is a multiple of it
 # just stored): 96 registers instead of 63 leave two CTAs per SM instead of three, and the
 # fp16 forward at 65536 keys fell from 74 to 69%.
 CLUSTER_SMEM_TARGET = 112 * 1024
+# ... and at most this many chunks per thread (registers and shared memory together) where
+# a cluster of up to 16 holds the row so: a slice of 64 KB of x (of dy and of y backward).
+# Measured on the H200 with the one-way exchange (% of copy, clusters holding 32 -> 16
+# chunks per thread): fp16 forward 262144 keys 79 -> 83, fp32 forward 65536 82 -> 91,
+# 262144 86 -> 88; 8 chunks per thread lose (fp16 forward 65536 89 -> 69).
+CLUSTER_CHUNKS_TARGET = 16
 CLUSTER_SMEM_RESERVE = 1024
 # A masked forward or a backward in clusters of the largest size whose blocks need more
 # shared memory than this (one block per SM) loses to the looped tier (measured on the
@@ -376,9 +383,10 @@ def cluster_shape(chunks: int, slot_bytes: int, caps: DeviceCaps | None, reg: in
         smem = q * BLOCK * slot_bytes
         if smem <= limit:
             fits.append((cs, q, smem))
-    for cs, q, smem in fits:
-        if smem <= CLUSTER_SMEM_TARGET:
-            return cs, q, smem
+    for target in (CLUSTER_CHUNKS_TARGET, None):
+        for cs, q, smem in fits:
+            if smem <= CLUSTER_SMEM_TARGET and (target is None or reg + q <= target):
+                return cs, q, smem
     return fits[-1] if fits else None
 
 

@@ -51,8 +51,9 @@ def test_no_cluster_tier_before_sm_90(caps, backward):
 
 def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool, big_loses: bool = False):
     """(CTAs per cluster, chunks per thread in shared memory, in registers) the planner
-    should pick, or None: the smallest cluster whose blocks stay under the target (else the
-    largest that fits); the register variant wherever there is one, else all chunks in
+    should pick, or None: the smallest cluster whose blocks stay under the shared memory
+    target with at most CLUSTER_CHUNKS_TARGET chunks per thread (else the smallest under
+    the target, else the largest that fits); the register variant wherever there is one, else all chunks in
     shared memory."""
     limit = caps.smem_per_block - _plan.CLUSTER_SMEM_RESERVE
 
@@ -65,7 +66,8 @@ def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool, big_loses: 
         if not shapes:
             return None
         under = [c for c in sorted(shapes) if shapes[c] * 256 * slot <= _plan.CLUSTER_SMEM_TARGET]
-        cs = under[0] if under else max(shapes)
+        few = [c for c in under if reg + shapes[c] <= _plan.CLUSTER_CHUNKS_TARGET]
+        cs = few[0] if few else under[0] if under else max(shapes)
         return cs, shapes[cs], reg
 
     r0 = best(_plan.CLUSTER_REG if reg_variant else 0)
@@ -118,11 +120,14 @@ def test_register_variant_wherever_there_is_one():
     assert p.kernel == "smx_bwd_cluster<float, 4>" and p.cluster == 16 and p.smem == 12 * 256 * 32
     p = _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200)
     assert p.kernel == "smx_fwd_cluster<smx_f16, MaskNone, 4>" and p.nch == 32 and p.smem == 28 * 256 * 16
-    # The smallest cluster whose blocks stay under CLUSTER_SMEM_TARGET (two per SM).
+    # The smallest cluster whose blocks stay under CLUSTER_SMEM_TARGET (two per SM) with at
+    # most CLUSTER_CHUNKS_TARGET chunks per thread.
     p = _plan.plan_forward(64, 65536, "float16", "none", True, True, H200)
     assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (2, 16, 12 * 256 * 16)
     p = _plan.plan_forward(64, 65536, "float32", "none", True, True, H200)
-    assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (2, 32, 28 * 256 * 16)
+    assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (4, 16, 12 * 256 * 16)
+    p = _plan.plan_forward(64, 262144, "float16", "none", True, True, H200)
+    assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (8, 16, 12 * 256 * 16)
     p = _plan.plan_backward(64, 65536, "bfloat16", True, True, H200)
     assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (2, 16, 12 * 256 * 32)
     # fp32 forwards with a mask have the variant; 16-bit ones do not (they measured slower).
@@ -220,8 +225,10 @@ def test_forward_and_backward_params_thread_the_device_through():
 
 
 def test_cluster_kernels_are_built_for_sm_90_only():
-    """The PTX of sm_90 holds the cluster barrier, the distributed shared-memory load and the
-    asynchronous copies; that of sm_80 has none of them (the bodies compile empty)."""
+    """The PTX of sm_90 holds the one-way exchange (the mbarrier, the cluster barrier that
+    guards its initialisation, the distributed shared-memory stores) and the asynchronous
+    copies; that of sm_80 has none of them (the bodies compile empty).  No cluster barrier
+    arrives with release semantics: that compiles to a GPU-scope memory barrier."""
     try:
         _compiler.nvrtc_version()
     except Exception as e:  # no NVRTC library on this machine
@@ -229,10 +236,18 @@ def test_cluster_kernels_are_built_for_sm_90_only():
     names = [_plan.kernel_fwd_cluster("float16", "hide1"), _plan.kernel_bwd_cluster("float32", _plan.CLUSTER_REG)]
     text90 = _compiler.compile_kernels("compute_90", names).image.decode(errors="replace")
     text80 = _compiler.compile_kernels("compute_80", names).image.decode(errors="replace")
-    for needle in ("barrier.cluster.arrive.release", "barrier.cluster.wait.acquire", "mapa.shared::cluster"):
+    for needle in (
+        "mbarrier.init.shared::cta.b64",
+        "fence.mbarrier_init.release.cluster",
+        "barrier.cluster.arrive.relaxed",
+        "barrier.cluster.wait",
+        "mapa.shared::cluster",
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes",
+        "mbarrier.try_wait.parity",
+    ):
         assert text90.count(needle) >= 2, needle  # in both kernels
         assert needle not in text80
-    assert "ld.shared::cluster" in text90 and "cp.async.cg.shared.global" in text90
+    assert "barrier.cluster.arrive.release" not in text90 and "cp.async.cg.shared.global" in text90
     assert "cp.async" not in text80
 
 
