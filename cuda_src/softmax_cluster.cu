@@ -324,6 +324,79 @@ struct SmxCoopX {
 };
 
 // ---------------------------------------------------------------------------------
+// The interior of a row in the cluster and coop tiers' forward: steps of K chunks per thread
+// that are all whole and visible (a step of the slice lies in [c0, c1)) need no per-element
+// checks.  For 16-bit x with no additive mask and 0 < scale * log2e < inf, the scale also
+// folds into the exponent's FMA (the max of x * scale is scale * max(x): rounding is
+// monotonic) and STORE's 1 / sum into the exponent: y = 2^(x * scale * log2e - max * log2e
+// - log2(sum)).  What that changes (ex2 / lg2 approximations, about 2^-22 relative) is far
+// below a 16-bit output's resolution; fp32 rows keep the exact path.
+template <typename T, class M> struct SmxFold {
+  enum { ON = sizeof(T) == 2 && (!M::PRESENT || M::HIDE) };
+};
+// x as floats (a hidden element -inf) and their max.
+template <typename T, class M, int K>
+__device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const Chunk<T> (&cx)[1][K],
+                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K]) {
+  enum { N = Chunk<T>::N };
+  float mk[K];  // a max per chunk, then over the chunks: K chains side by side
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    smx_chunk_f32<T>(cx[0][k], u[k]);
+    mk[k] = -SMX_INF;
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (M::PRESENT) u[k][e] = M::apply(u[k][e], cm[0][k].e[e]);
+      mk[k] = fmaxf(mk[k], u[k][e]);
+    }
+  }
+#pragma unroll
+  for (int k = 1; k < K; ++k) mk[0] = fmaxf(mk[0], mk[k]);
+  return mk[0];
+}
+// PAIR of a folded interior step: merged into (m, s).
+template <typename T, class M, int K>
+__device__ __forceinline__ void smx_fold_pair(float& m, float& s, const Chunk<T> (&cx)[1][K],
+                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale, float sl) {
+  enum { N = Chunk<T>::N };
+  float u[K][N];
+  const float mx = smx_fold_raw<T, M, K>(u, cx, cm) * scale;
+  const float ml = smx_max_use(mx) * SMX_LOG2E;
+  float t[K];  // a sum per chunk, then over the chunks
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    t[k] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) t[k] += smx_exp2(fmaf(u[k][e], sl, -ml));
+  }
+#pragma unroll
+  for (int k = 1; k < K; ++k) t[0] += t[k];
+  // x * scale overflowed to +inf (x finite): the row is NaN, as the general path makes it
+  if (mx == SMX_INF) t[0] = __int_as_float(0x7fffffff);
+  smx_pair_merge(m, s, mx, t[0]);
+}
+// STORE of a folded interior step: chunks c + k * B (k < K) of row y; mls = max * log2e +
+// log2(sum), sum > 0.
+template <typename T, class M, int K, int B>
+__device__ __forceinline__ void smx_fold_store(const Chunk<T> (&cx)[1][K], const MaskChunk<M, Chunk<T>::N> (&cm)[1][K],
+                                               T* y, int c, int ofs, float sl, float mls) {
+  enum { N = Chunk<T>::N };
+  float u[K][N];
+  smx_fold_raw<T, M, K>(u, cx, cm);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) u[k][e] = smx_exp2(fmaf(u[k][e], sl, -mls));
+    smx_st16(y + (c + k * B) * N - ofs, smx_pack_chunk<T>(u[k]));
+  }
+}
+// Chunks [base, base + K * B) all whole and visible.
+template <typename T, class M>
+__device__ __forceinline__ bool smx_interior(const FwdRow<T, M>& r, int base, int kb) {
+  return base >= r.c0 && base + kb <= r.c1;
+}
+
+// ---------------------------------------------------------------------------------
 // A block's slice of one row: chunks rank * K * B .. of row `row` (see the top), its pair
 // exchanged with the row's other blocks through `xc`.  `act`: the row exists (coop blocks
 // of a wave past the last row only take part in the exchange).
@@ -396,7 +469,11 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // PAIR: this thread's (max, sum), a step of U chunks at a time (merged as they come),
   // then the warp's, the block's, the row's.
   float m = -SMX_INF, s = 0.0f;
-  if (R > 0) {
+  const float sl = p.scale * SMX_LOG2E;
+  const bool fold = SmxFold<T, M>::ON && sl > 0.0f && sl < SMX_INF;
+  if (R > 0 && fold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
+    smx_fold_pair<T, M, RR>(m, s, cxr, cmr, p.scale, sl);
+  } else if (R > 0) {
     float v[1][RR][N], mx[1];
     smx_fwd_values<T, M, RR, 1, false>(v, mx, cxr, cmr, rw, cb + tid, SMX_CBLOCK, p.scale);
     const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
@@ -418,6 +495,10 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       for (int k = 0; k < U; ++k) {
         cx[0][k] = xs[(q0 + k) * SMX_CBLOCK + tid];
         if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_CBLOCK + tid];
+      }
+      if (fold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
+        smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale, sl);
+        continue;
       }
       smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, cq + q0 * SMX_CBLOCK + tid, SMX_CBLOCK, p.scale);
       const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
@@ -451,7 +532,11 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   const float ml = smx_max_use(m) * SMX_LOG2E;
   const float inv[1] = {smx_inv_sum(s)};
   const bool acts[1] = {act};
-  if (R > 0) {
+  const bool sfold = fold && s > 0.0f;  // (a row with nothing visible stores zeros: 1 / sum is 0 there)
+  const float mls = ml + smx_log2(s);
+  if (R > 0 && act && sfold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
+    smx_fold_store<T, M, RR, SMX_CBLOCK>(cxr, cmr, rw[0].y, cb + tid, rw[0].ofs, sl, mls);
+  } else if (R > 0) {
     float v[1][RR][N], mx[1];
     smx_fwd_values<T, M, RR, 1, false>(v, mx, cxr, cmr, rw, cb + tid, SMX_CBLOCK, p.scale);
 #pragma unroll
@@ -470,6 +555,10 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_CBLOCK + tid];
     }
     const int c0 = cq + q0 * SMX_CBLOCK + tid;
+    if (sfold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
+      smx_fold_store<T, M, U, SMX_CBLOCK>(cx, cm, rw[0].y, c0, rw[0].ofs, sl, mls);
+      continue;
+    }
     smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
 #pragma unroll
     for (int k = 0; k < U; ++k)

@@ -37,6 +37,16 @@ __device__ __forceinline__ float smx_to_f32(smx_f16 v) {
 }
 __device__ __forceinline__ float smx_to_f32(smx_bf16 v) { return __uint_as_float(((smx_u32)v.bits) << 16); }
 
+// The two 16-bit elements of a word as floats, low half first (one instruction each: the
+// high half is converted in place, not shifted down first).
+__device__ __forceinline__ void smx_unpack2(smx_u32 w, float& lo, float& hi, smx_f16) {
+  asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(w));
+}
+__device__ __forceinline__ void smx_unpack2(smx_u32 w, float& lo, float& hi, smx_bf16) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
 template <typename T> __device__ __forceinline__ T smx_from_f32(float v);
 template <> __device__ __forceinline__ float smx_from_f32<float>(float v) { return v; }
 template <> __device__ __forceinline__ smx_f16 smx_from_f32<smx_f16>(float v) {
@@ -127,6 +137,21 @@ template <> __device__ __forceinline__ smx_u32 smx_pack2<smx_bf16>(float lo, flo
   return r;
 }
 #endif
+
+// A chunk's elements as floats (16-bit ones two to a word, see smx_unpack2).
+template <typename T> __device__ __forceinline__ void smx_chunk_f32(const Chunk<T>& ch, float (&u)[Chunk<T>::N]) {
+#pragma unroll
+  for (int i = 0; i < Chunk<T>::N / 2; ++i) smx_unpack2(ch.w[i], u[2 * i], u[2 * i + 1], T());
+}
+template <> __device__ __forceinline__ void smx_chunk_f32<float>(const Chunk<float>& ch, float (&u)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) u[i] = __uint_as_float(ch.w[i]);
+}
+__device__ __forceinline__ float smx_log2(float x) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 
 template <typename T> __device__ __forceinline__ uint4 smx_pack_chunk(const float (&o)[Chunk<T>::N]) {
   Chunk<T> ch;

@@ -177,6 +177,37 @@ def test_forward_around_every_cluster_size_boundary(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scale", [2.5, 1e-3, 0.0, -1.3, 1e38, 3e38])
+def test_forward_interior_at_every_kind_of_scale(dtype, scale):
+    """The interior of 16-bit rows folds the scale and 1 / sum into the exponent where
+    0 < scale * log2e < inf (with a bool mask too): large logits (std 40), a zero, a
+    negative, an overflowing x * scale (1e38: the rows turn NaN as x * scale turns +inf in
+    fp32) and an overflowing scale * log2e (3e38); whole steps hidden, a row with nothing
+    visible, rows off the 16-byte grid (their first and last steps take the general path)."""
+    sk = 65536 + 24
+    x = _rand((4, sk), DTYPES[dtype], scale=40.0)
+    if scale > 1e30:
+        x[3] = 0.0  # one row that no such scale overflows: uniform
+    m = torch.from_numpy(_gen.random((4, sk)) < 0.2)
+    m[:, 0] = False
+    m[1, 1000:9000] = True  # whole steps of every thread hidden
+    m[2, :] = True  # nothing visible: zeros
+    m = m.cuda()
+    what = f"{dtype} scale={scale}"
+    if scale > 1e30:
+        for mm in (m, None):
+            y = drvsoftmax.scaled_masked_softmax(x, mm, scale=scale)
+            ref = _reference.softmax_forward(_np(x), None if mm is None else _np(mm), scale, False, None)
+            assert np.isnan(ref).any() and not np.isnan(ref).all()
+            assert_matches(_np(y), ref, dtype, what)
+        return
+    _check_forward(x, m, scale=scale, what=what + " bool")
+    _check_forward(x, scale=scale, what=what)
+    off = _rand((3, sk + 1), DTYPES[dtype], scale=40.0)[:, 1:]  # rows off the grid
+    _check_forward(off, scale=scale, what=what + " off the grid", any_tier=True)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("sk", [16385, 65536, 200003])
 @pytest.mark.parametrize("kind", LONG_ROW_MASK_KINDS)
 def test_forward_masks(dtype, sk, kind):
