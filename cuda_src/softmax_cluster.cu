@@ -169,6 +169,7 @@ __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
   return ra;
 }
 struct SmxClusterX {
+  enum { INTERIOR = 1 };  // the forward's interior steps take the folded path (smx_fwd_slice)
   smx_u32 cs, rank;
   SmxClusterShared* sh;
   // Thread 0 initialises and arms the mbarrier; every thread arrives at the cluster barrier.
@@ -286,6 +287,7 @@ __device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, fl
 // The coop exchange: the pair of block `rank` lives in the output elements
 // max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
 struct SmxCoopX {
+  enum { INTERIOR = 0 };
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
                                         bool act) const {
@@ -324,7 +326,7 @@ struct SmxCoopX {
 };
 
 // ---------------------------------------------------------------------------------
-// The interior of a row in the cluster and coop tiers' forward: steps of K chunks per thread
+// The interior of a row in the cluster tier's forward: steps of K chunks per thread
 // that are all whole and visible (a step of the slice lies in [c0, c1)) need no per-element
 // checks.  For 16-bit x with no additive mask and 0 < scale * log2e < inf, the scale also
 // folds into the exponent's FMA (the max of x * scale is scale * max(x): rounding is
@@ -469,8 +471,10 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // PAIR: this thread's (max, sum), a step of U chunks at a time (merged as they come),
   // then the warp's, the block's, the row's.
   float m = -SMX_INF, s = 0.0f;
+  // Folded interior steps (see SmxFold) in the cluster tier only: in the coop tier's loop
+  // over waves they cost registers, up to spills.
   const float sl = p.scale * SMX_LOG2E;
-  const bool fold = SmxFold<T, M>::ON && sl > 0.0f && sl < SMX_INF;
+  const bool fold = X::INTERIOR && SmxFold<T, M>::ON && sl > 0.0f && sl < SMX_INF;
   if (R > 0 && fold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
     smx_fold_pair<T, M, RR>(m, s, cxr, cmr, p.scale, sl);
   } else if (R > 0) {
