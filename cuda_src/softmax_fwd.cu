@@ -257,23 +257,24 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   __syncthreads();
   const int wpr = tpr >> 5;
   const int first = tpr == (int)blockDim.x ? 0 : warp & ~(wpr - 1);  // the row's first warp
-  // Lane i of every warp of the row takes the pair of the row's warp i: the max over the
-  // lanes, then the sums rescaled to it and added over the lanes (butterflies: every lane
-  // of every warp ends with the same bits).
-  const int lane = threadIdx.x & 31;
-  const bool in = lane < wpr;
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
-    const float mi = in ? red[r][0][first + lane] : -SMX_INF;
-    const float si = in ? red[r][1][first + lane] : 0.0f;
-    float M[1] = {mi};
-    smx_warp_allreduce<OpMax, 1>(M, 32);
-    // A warp that saw nothing visible adds nothing (its max may be -inf); NaN stays.
-    float S[1] = {si == 0.0f ? 0.0f : si * smx_exp2((smx_max_use(mi) - smx_max_use(M[0])) * SMX_LOG2E)};
-    smx_warp_allreduce<OpSum, 1>(S, 32);
+    float M = -SMX_INF;
+#pragma unroll
+    for (int i = 0; i < SMX_BLOCK / 32; ++i)
+      if (i < wpr) M = fmaxf(M, red[r][0][first + i]);
+    float S = 0.0f;
+#pragma unroll
+    for (int i = 0; i < SMX_BLOCK / 32; ++i) {
+      if (i < wpr) {
+        const float si = red[r][1][first + i];
+        // A warp that saw nothing visible adds nothing (its max may be -inf); NaN stays.
+        if (si != 0.0f) S += si * smx_exp2((smx_max_use(red[r][0][first + i]) - smx_max_use(M)) * SMX_LOG2E);
+      }
+    }
     // This warp's terms were taken relative to its own max.
-    const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M[0])) * SMX_LOG2E);
-    fac[r] = f * smx_inv_sum(S[0]);
+    const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M)) * SMX_LOG2E);
+    fac[r] = f * smx_inv_sum(S);
   }
 }
 
