@@ -237,8 +237,14 @@ __device__ __forceinline__ void smx_fwd_store(const float (&v)[RPT][NCH][Chunk<T
 // From the (max, sum) pair of each row's part held by this thread's warp (every lane
 // holds it) to this thread's factor: the output is exp2(v * log2e - max_use(m)) * fac.
 // Rows of at most 32 threads are done; wider rows exchange the warps' pairs once through
-// `red` (RPT x 2 x warps).
-template <int RPT>
+// `red` (RPT x 2 x warps).  LANES: lane i of every warp of the row takes warp i's pair and
+// the lanes merge them (butterflies: every lane of every warp ends with the same bits);
+// else every thread merges all the warps' pairs in turn, which costs a 512-thread row 16
+// exp2 per thread (H200, 16-bit rows of 16384 keys with a mask: 68-74% of copy serial,
+// 84-86% with LANES).  The lanes' merge keeps a few more values live: with it, kernels of
+// 8 chunks per thread and of fp32 x (at the register caps, see test_softmax_compile.py)
+// spilled, so they merge serially.
+template <int RPT, bool LANES = false>
 __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float (&s)[RPT], float (&fac)[RPT],
                                               int tpr, float (*red)[2][SMX_BLOCK / 32]) {
   if (tpr <= 32) {
@@ -257,6 +263,24 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   __syncthreads();
   const int wpr = tpr >> 5;
   const int first = tpr == (int)blockDim.x ? 0 : warp & ~(wpr - 1);  // the row's first warp
+  if (LANES) {
+    const int lane = threadIdx.x & 31;
+    const bool in = lane < wpr;
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const float mi = in ? red[r][0][first + lane] : -SMX_INF;
+      const float si = in ? red[r][1][first + lane] : 0.0f;
+      float M[1] = {mi};
+      smx_warp_allreduce<OpMax, 1>(M, 32);
+      // A warp that saw nothing visible adds nothing (its max may be -inf); NaN stays.
+      float S[1] = {si == 0.0f ? 0.0f : si * smx_exp2((smx_max_use(mi) - smx_max_use(M[0])) * SMX_LOG2E)};
+      smx_warp_allreduce<OpSum, 1>(S, 32);
+      // This warp's terms were taken relative to its own max.
+      const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M[0])) * SMX_LOG2E);
+      fac[r] = f * smx_inv_sum(S[0]);
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     float M = -SMX_INF;
@@ -625,7 +649,7 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
       }
   }
   smx_warp_allreduce<OpSum, RPT>(s, tpr);
-  smx_row_stats<RPT>(mx, s, fac, tpr, red);
+  smx_row_stats<RPT, sizeof(T) == 2 && NCH <= 4>(mx, s, fac, tpr, red);
   // cs1 afresh rather than kept live since the set-up: through LOAD and VALUES it costs
   // a register, which the general 16-bit kernels of 4 chunks with a mask spilled (sm_86,
   // sm_89, sm_90), as did the fp32 ones of 2 chunks (sm_86, sm_89).  The 16-bit kernels
