@@ -329,13 +329,18 @@ struct SmxCoopX {
 // The interior of a row in the cluster tier's forward: steps of K chunks per thread
 // that are all whole and visible (a step of the slice lies in [c0, c1)) need no per-element
 // checks.  For 16-bit x with no additive mask and 0 < scale * log2e < inf, the scale also
-// folds into the exponent's FMA (the max of x * scale is scale * max(x): rounding is
-// monotonic) and STORE's 1 / sum into the exponent: y = 2^(x * scale * log2e - max * log2e
+// folds into STORE's exponent FMA (the max of x * scale is scale * max(x): rounding is
+// monotonic), as does its 1 / sum into the exponent: y = 2^(x * scale * log2e - max * log2e
 // - log2(sum)).  What that changes (ex2 / lg2 approximations, about 2^-22 relative) is far
-// below a 16-bit output's resolution; fp32 rows keep the exact path.
+// below a 16-bit output's resolution; fp32 rows keep the exact path.  The folded STORE's
+// shift max * log2e + log2(sum) is one rounded float: off by up to half a spacing of floats
+// at |max * log2e|, which does not cancel against the exact terms of the sum.  Rows whose
+// max reaches SMX_FOLD_MAX store through the exact path: below it the shift is off by less
+// than 2^-13, about 2^-14 relative.  (PAIR's terms are exact: see smx_term.)
 template <typename T, class M> struct SmxFold {
   enum { ON = sizeof(T) == 2 && (!M::PRESENT || M::HIDE) };
 };
+#define SMX_FOLD_MAX 1024.0f
 // x as floats (a hidden element -inf) and their max.
 template <typename T, class M, int K>
 __device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const Chunk<T> (&cx)[1][K],
@@ -359,22 +364,21 @@ __device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const 
 // PAIR of a folded interior step: merged into (m, s).
 template <typename T, class M, int K>
 __device__ __forceinline__ void smx_fold_pair(float& m, float& s, const Chunk<T> (&cx)[1][K],
-                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale, float sl) {
+                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale) {
   enum { N = Chunk<T>::N };
   float u[K][N];
   const float mx = smx_fold_raw<T, M, K>(u, cx, cm) * scale;
-  const float ml = smx_max_use(mx) * SMX_LOG2E;
+  const float mu = smx_max_use(mx);
   float t[K];  // a sum per chunk, then over the chunks
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     t[k] = 0.0f;
+    // (x * scale overflowing to +inf, x finite, makes the row NaN, as the general path does)
 #pragma unroll
-    for (int e = 0; e < N; ++e) t[k] += smx_exp2(fmaf(u[k][e], sl, -ml));
+    for (int e = 0; e < N; ++e) t[k] += smx_term(u[k][e] * scale, mu);
   }
 #pragma unroll
   for (int k = 1; k < K; ++k) t[0] += t[k];
-  // x * scale overflowed to +inf (x finite): the row is NaN, as the general path makes it
-  if (mx == SMX_INF) t[0] = __int_as_float(0x7fffffff);
   smx_pair_merge(m, s, mx, t[0]);
 }
 // STORE of a folded interior step: chunks c + k * B (k < K) of row y; mls = max * log2e +
@@ -476,15 +480,15 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   const float sl = p.scale * SMX_LOG2E;
   const bool fold = X::INTERIOR && SmxFold<T, M>::ON && sl > 0.0f && sl < SMX_INF;
   if (R > 0 && fold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
-    smx_fold_pair<T, M, RR>(m, s, cxr, cmr, p.scale, sl);
+    smx_fold_pair<T, M, RR>(m, s, cxr, cmr, p.scale);
   } else if (R > 0) {
     float v[1][RR][N], mx[1];
     smx_fwd_values<T, M, RR, 1, false>(v, mx, cxr, cmr, rw, cb + tid, SMX_CBLOCK, p.scale);
-    const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
+    const float mu = smx_max_use(mx[0]);
 #pragma unroll
     for (int k = 0; k < RR; ++k)
 #pragma unroll
-      for (int e = 0; e < N; ++e) s += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+      for (int e = 0; e < N; ++e) s += smx_term(v[0][k][e], mu);
     m = mx[0];
   }
 #pragma unroll 1
@@ -501,16 +505,16 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
         if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_CBLOCK + tid];
       }
       if (fold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
-        smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale, sl);
+        smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale);
         continue;
       }
       smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, cq + q0 * SMX_CBLOCK + tid, SMX_CBLOCK, p.scale);
-      const float ml = smx_max_use(mx[0]) * SMX_LOG2E;
+      const float mu = smx_max_use(mx[0]);
       float t = 0.0f;
 #pragma unroll
       for (int k = 0; k < U; ++k)
 #pragma unroll
-        for (int e = 0; e < N; ++e) t += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+        for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
       smx_pair_merge(m, s, mx[0], t);
     }
   }
@@ -533,11 +537,12 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   xc.template merge<false, T>(m, s, pair, rw[0].y, p.sy, rw[0].ofs, slots + R * SMX_CBLOCK, act);
 
   // STORE.
-  const float ml = smx_max_use(m) * SMX_LOG2E;
+  const float mu = smx_max_use(m);
   const float inv[1] = {smx_inv_sum(s)};
   const bool acts[1] = {act};
-  const bool sfold = fold && s > 0.0f;  // (a row with nothing visible stores zeros: 1 / sum is 0 there)
-  const float mls = ml + smx_log2(s);
+  // (a row with nothing visible stores zeros: 1 / sum is 0 there)
+  const bool sfold = fold && s > 0.0f && fabsf(mu) < SMX_FOLD_MAX;
+  const float mls = mu * SMX_LOG2E + smx_log2(s);
   if (R > 0 && act && sfold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
     smx_fold_store<T, M, RR, SMX_CBLOCK>(cxr, cmr, rw[0].y, cb + tid, rw[0].ofs, sl, mls);
   } else if (R > 0) {
@@ -546,7 +551,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 #pragma unroll
     for (int k = 0; k < RR; ++k)
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+      for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
     smx_fwd_store<T, M, RR, 1, false>(v, inv, rw, acts, cb + tid, SMX_CBLOCK, p);
   }
   for (int q0 = 0; q0 < (act ? q_count : 0); q0 += U) {
@@ -567,7 +572,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 #pragma unroll
     for (int k = 0; k < U; ++k)
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -ml));
+      for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
     smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
   }
   xc.finish();

@@ -354,6 +354,13 @@ __device__ __forceinline__ void smx_warp_allreduce(float (&v)[R], int tpr) {
 // with s == 0 (nothing visible) contributes nothing, whatever its max.  NaN (from a NaN
 // or +inf score) propagates through s.
 __device__ __forceinline__ float smx_max_use(float m) { return m == -SMX_INF ? 0.0f : m; }
+// The term of a score v in a row (or part of one) whose max has the use mu (smx_max_use):
+// e^(v - mu), as exp2((v - mu) * log2e).  The max is subtracted before the scaling: the
+// difference is exact wherever it matters (0 at the max), whatever the size of the scores,
+// where a shift mu * log2e taken as one rounded float is off by up to half a spacing of
+// floats there (64 and more from |mu| = 2^30 on, and inf beyond 2.4e38: a row of
+// finfo(float32).min or finfo(bfloat16).min scores) and takes exp2 out of range.
+__device__ __forceinline__ float smx_term(float v, float mu) { return smx_exp2((v - mu) * SMX_LOG2E); }
 __device__ __forceinline__ void smx_pair_merge(float& m, float& s, float m2, float s2) {
   const float mm = fmaxf(m, m2);
   const float mu = smx_max_use(mm);

@@ -169,12 +169,15 @@ __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk
   }
 }
 
-// VALUES: biased scores, -inf where hidden; and each row's max over this thread.
+// VALUES: biased scores, -inf where hidden; and each row's max over this thread.  `shift`:
+// the scores less it (a row's max, for passes that compute the values again to take their
+// terms: one FMA for x * scale - shift without an additive mask).
 template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N], float (&mx)[RPT],
                                                const Chunk<T> (&cx)[RPT][NCH],
                                                const MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
-                                               const FwdRow<T, M> (&rw)[RPT], int c0, int tpr, float scale) {
+                                               const FwdRow<T, M> (&rw)[RPT], int c0, int tpr, float scale,
+                                               float shift = 0.0f) {
   enum { N = Chunk<T>::N };
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
@@ -185,7 +188,12 @@ __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N]
       const int j0 = c * N - rw[r].ofs;
       const int lim = rw[r].lim;
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[r][k][e] = M::apply(smx_to_f32(cx[r][k].e[e]) * scale, cm[r][k].e[e]);
+      for (int e = 0; e < N; ++e) {
+        const float xe = smx_to_f32(cx[r][k].e[e]);
+        // An additive mask is added before the shift (the shift may be as large as the mask)
+        v[r][k][e] = M::PRESENT && !M::HIDE ? M::apply(xe * scale, cm[r][k].e[e]) - shift
+                                            : M::apply(fmaf(xe, scale, -shift), cm[r][k].e[e]);
+      }
       // Not wholly visible (rare): past the visible prefix, or a partial chunk.
       if (AL ? j0 + N > lim : (!smx_in(c, rw[r].c0, rw[r].c1) && !(j0 >= 0 && j0 + N <= lim))) {
 #pragma unroll
@@ -344,13 +352,13 @@ template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ float smx_fwd_chunk(float (&v)[1][1][Chunk<T>::N], const Chunk<T> (&cx)[RPT][NCH],
                                                const MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
                                                const FwdRow<T, M> (&rw)[RPT], int r, int k, int c0, int tpr,
-                                               float scale) {
+                                               float scale, float shift = 0.0f) {
   const Chunk<T> a[1][1] = {{cx[r][k]}};
   MaskChunk<M, Chunk<T>::N> b[1][1];
   if (M::PRESENT) b[0][0] = cm[r][k];
   const FwdRow<T, M> w[1] = {rw[r]};
   float mx[1];
-  smx_fwd_values<T, M, 1, 1, AL>(v, mx, a, b, w, c0 + k * tpr, tpr, scale);
+  smx_fwd_values<T, M, 1, 1, AL>(v, mx, a, b, w, c0 + k * tpr, tpr, scale, shift);
   return mx[0];
 }
 
@@ -360,7 +368,7 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
                                               FwdRow<T, M> (&rw)[RPT], const bool (&act)[RPT], int c0, int tpr,
                                               const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
   enum { N = Chunk<T>::N };
-  float mx[RPT], s[RPT], fac[RPT], ml[RPT];
+  float mx[RPT], s[RPT], fac[RPT], mu[RPT];
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     mx[r] = -SMX_INF;
@@ -374,15 +382,18 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
   smx_fwd_opaque<T, M, NCH, RPT>(cx, cm, c0, tpr, (smx_u32)p.flags & SMX_F_ZERO);
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
-    ml[r] = smx_max_use(mx[r]) * SMX_LOG2E;
+    mu[r] = smx_max_use(mx[r]);
     s[r] = 0.0f;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       float v[1][1][N];
-      smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale);
+      smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale, mu[r]);
 #pragma unroll
-      for (int e = 0; e < N; ++e) s[r] += smx_exp2(fmaf(v[0][0][e], SMX_LOG2E, -ml[r]));
+      for (int e = 0; e < N; ++e) s[r] += smx_exp2(v[0][0][e] * SMX_LOG2E);
     }
+    // x * scale overflowed to +inf (x finite), which x * scale - inf in one FMA does not
+    // show: the row is NaN, as the held values make it
+    if (mx[r] == SMX_INF) s[r] = __int_as_float(0x7fffffff);
   }
   smx_warp_allreduce<OpSum, RPT>(s, tpr);
   smx_row_stats<RPT>(mx, s, fac, tpr, red);
@@ -399,9 +410,9 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       float v[1][1][N];
-      smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale);
+      smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale, mu[r]);
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[0][0][e] = smx_exp2(fmaf(v[0][0][e], SMX_LOG2E, -ml[r]));
+      for (int e = 0; e < N; ++e) v[0][0][e] = smx_exp2(v[0][0][e] * SMX_LOG2E);
       smx_fwd_store<T, M, 1, 1, AL>(v, f, w, a, c0 + k * tpr, tpr, p);
     }
   }
@@ -476,18 +487,18 @@ __device__ __forceinline__ void smx_fwd_edged(const FwdRow<T, M>& rw, bool act, 
   }
   smx_warp_allreduce<OpMax, 1>(mx, tpr);
   // exp, sum.
-  const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+  const float mu = smx_max_use(mx[0]);
   float s[1] = {0.0f}, fac[1];
 #pragma unroll
   for (int k = 0; k < NCH; ++k)
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      v[k][e] = smx_exp2(fmaf(v[k][e], SMX_LOG2E, -mxl));
+      v[k][e] = smx_term(v[k][e], mu);
       s[0] += v[k][e];
     }
 #pragma unroll
   for (int q = 0; q < E; ++q) {
-    ev[q] = smx_exp2(fmaf(ev[q], SMX_LOG2E, -mxl));
+    ev[q] = smx_term(ev[q], mu);
     s[0] += ev[q];
   }
   smx_warp_allreduce<OpSum, 1>(s, tpr);
@@ -544,16 +555,16 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
     for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[e]);
   }
   smx_warp_allreduce<OpMax, 1>(mx, tpr);
-  const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+  const float mu = smx_max_use(mx[0]);
   smx_fwd_opaque<T, M, NCH, 1>(cx, cm, j, step, z);  // the passes compute the values again
-  ev = smx_exp2(fmaf(ev, SMX_LOG2E, -mxl));
+  ev = smx_term(ev, mu);
   float s[1] = {ev}, fac[1];
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     float v[N];
     smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale);
 #pragma unroll
-    for (int e = 0; e < N; ++e) s[0] += smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl));
+    for (int e = 0; e < N; ++e) s[0] += smx_term(v[e], mu);
   }
   smx_warp_allreduce<OpSum, 1>(s, tpr);
   smx_row_stats<1>(mx, s, fac, tpr, red);
@@ -566,7 +577,7 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
       float v[N];
       smx_edged_values<T>(v, cx[0][k], j0, clim, p.scale);
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = smx_exp2(fmaf(v[e], SMX_LOG2E, -mxl)) * fac[0];
+      for (int e = 0; e < N; ++e) v[e] = smx_term(v[e], mu) * fac[0];
       smx_st16(rw.y + j0, smx_pack_chunk<T>(v));
     }
   }
@@ -582,14 +593,14 @@ __device__ __forceinline__ void smx_fwd_keywise(const FwdRow<T, M>& rw, bool act
   float mx[1] = {-SMX_INF}, s[1] = {0.0f}, fac[1];
   for (int j = lane; j < rw.lim; j += tpr) mx[0] = fmaxf(mx[0], smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale);
   smx_warp_allreduce<OpMax, 1>(mx, tpr);
-  const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+  const float mu = smx_max_use(mx[0]);
   for (int j = lane; j < rw.lim; j += tpr)
-    s[0] += smx_exp2(fmaf(smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale, SMX_LOG2E, -mxl));
+    s[0] += smx_term(smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale, mu);
   smx_warp_allreduce<OpSum, 1>(s, tpr);
   smx_row_stats<1>(mx, s, fac, tpr, red);
   if (!act) return;
   for (int j = lane; j < p.sk; j += tpr) {
-    const float e = j < rw.lim ? smx_exp2(fmaf(smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale, SMX_LOG2E, -mxl)) : 0.0f;
+    const float e = j < rw.lim ? smx_term(smx_to_f32(rw.x[(smx_i64)j * p.sx]) * p.scale, mu) : 0.0f;
     rw.y[(smx_i64)j * p.sy] = smx_from_f32<T>(e * fac[0]);
   }
 }
@@ -638,13 +649,13 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   smx_warp_allreduce<OpMax, RPT>(mx, tpr);
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
-    const float mxl = smx_max_use(mx[r]) * SMX_LOG2E;
+    const float mu = smx_max_use(mx[r]);
     s[r] = 0.0f;
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        v[r][k][e] = smx_exp2(fmaf(v[r][k][e], SMX_LOG2E, -mxl));
+        v[r][k][e] = smx_term(v[r][k][e], mu);
         s[r] += v[r][k][e];
       }
   }
@@ -686,12 +697,12 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     float v[1][NCH][N], mx[1];
     smx_fwd_load<T, M, NCH, 1, false>(cx, cm, rw, c0 + lane, tpr, p, x, (const typename M::S*)mask);
     smx_fwd_values<T, M, NCH, 1, false>(v, mx, cx, cm, rw, c0 + lane, tpr, p.scale);
-    const float mxl = smx_max_use(mx[0]) * SMX_LOG2E;
+    const float mu = smx_max_use(mx[0]);
     float t = 0.0f;
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
-      for (int e = 0; e < N; ++e) t += smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -mxl));
+      for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
     smx_pair_merge(m[0], s[0], mx[0], t);
   }
   // Thread pairs -> warp pairs -> row: merge within the warp by shuffles first.
@@ -702,7 +713,7 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     smx_pair_merge(m[0], s[0], m2, s2);
   }
   smx_row_stats<1>(m, s, fac, tpr, red);
-  const float mxl = smx_max_use(m[0]) * SMX_LOG2E;
+  const float mu = smx_max_use(m[0]);
   for (int c0 = 0; c0 < nall; c0 += seg) {
     Chunk<T> cx[1][NCH];
     MaskChunk<M, N> cm[1][NCH];
@@ -712,7 +723,7 @@ smx_fwd_loop(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[0][k][e] = smx_exp2(fmaf(v[0][k][e], SMX_LOG2E, -mxl));
+      for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
     smx_fwd_store<T, M, NCH, 1, false>(v, fac, rw, act, c0 + lane, tpr, p);
   }
 }

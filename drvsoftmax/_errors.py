@@ -24,6 +24,9 @@ class CudaDriverError(DrvSoftmaxError, RuntimeError):
         self.call, self.code, self.name, self.description = call, code, name, description
         super().__init__(f"{call} failed: {name} ({code}): {description}")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: raised in worker processes too
+        return (type(self), (self.call, self.code, self.name, self.description))
+
 
 class NvrtcError(DrvSoftmaxError, RuntimeError):
     """NVRTC failed. Carries the compile log and the NVRTC version."""
@@ -34,6 +37,9 @@ class NvrtcError(DrvSoftmaxError, RuntimeError):
         if log:
             msg += "\n--- NVRTC log ---\n" + log.rstrip()
         super().__init__(msg)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: precompile's worker processes raise it
+        return (type(self), (self.call, self.name, self.log, self.version))
 
 
 class KernelUnavailableError(DrvSoftmaxError, RuntimeError):

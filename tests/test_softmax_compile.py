@@ -273,6 +273,22 @@ def test_parse_arch():
     assert _compiler.parse_arch("sm_120") == ("sm", 120)
 
 
+def test_errors_with_fields_survive_pickling():
+    """precompile compiles in worker processes: their NVRTC and driver errors come back
+    pickled, and must arrive whole (not as a broken process pool)."""
+    import pickle
+
+    from drvsoftmax._errors import CudaDriverError, NvrtcError
+
+    e = NvrtcError("nvrtcCompileProgram", "NVRTC_ERROR_COMPILATION", "kernel.cu(3): error: x", "13.0")
+    got = pickle.loads(pickle.dumps(e))
+    assert type(got) is NvrtcError and str(got) == str(e) and "kernel.cu(3)" in str(got)
+    assert (got.call, got.name, got.log, got.version) == (e.call, e.name, e.log, e.version)
+    d = CudaDriverError("cuLaunchKernel", 701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources")
+    got = pickle.loads(pickle.dumps(d))
+    assert type(got) is CudaDriverError and str(got) == str(d) and got.code == 701
+
+
 def test_unknown_architecture_is_an_nvrtc_error_with_the_log():
     _nvrtc_or_skip()
     with pytest.raises(NvrtcError) as info:
