@@ -438,10 +438,10 @@ template <typename T, int NCH> struct SmxEdged {
 // Values of the edged row's chunk at key j0 (keys j >= clim hidden).
 template <typename T>
 __device__ __forceinline__ void smx_edged_values(float (&v)[Chunk<T>::N], const Chunk<T>& c, int j0, int clim,
-                                                 float scale) {
+                                                 float scale, float shift = 0.0f) {
   enum { N = Chunk<T>::N };
 #pragma unroll
-  for (int e = 0; e < N; ++e) v[e] = smx_to_f32(c.e[e]) * scale;
+  for (int e = 0; e < N; ++e) v[e] = fmaf(smx_to_f32(c.e[e]), scale, -shift);  // (see smx_fwd_values)
   if (j0 + N > clim) {
 #pragma unroll
     for (int e = 0; e < N; ++e)
@@ -562,10 +562,11 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     float v[N];
-    smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale);
+    smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale, mu);
 #pragma unroll
-    for (int e = 0; e < N; ++e) s[0] += smx_term(v[e], mu);
+    for (int e = 0; e < N; ++e) s[0] += smx_exp2(v[e] * SMX_LOG2E);
   }
+  if (mx[0] == SMX_INF) s[0] = __int_as_float(0x7fffffff);  // (as in smx_fwd_lean)
   smx_warp_allreduce<OpSum, 1>(s, tpr);
   smx_row_stats<1>(mx, s, fac, tpr, red);
   if (!act) return;
@@ -575,9 +576,9 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
     const int j0 = j + k * step;
     if (j0 < t0) {
       float v[N];
-      smx_edged_values<T>(v, cx[0][k], j0, clim, p.scale);
+      smx_edged_values<T>(v, cx[0][k], j0, clim, p.scale, mu);
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = smx_term(v[e], mu) * fac[0];
+      for (int e = 0; e < N; ++e) v[e] = smx_exp2(v[e] * SMX_LOG2E) * fac[0];
       smx_st16(rw.y + j0, smx_pack_chunk<T>(v));
     }
   }

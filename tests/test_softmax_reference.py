@@ -759,3 +759,30 @@ def test_the_backward_checker_takes_rows_of_infinite_dy():
         wrong[r, j] += 1e-3
         with pytest.raises(AssertionError):
             assert_backward_matches(wrong, dy, y, ref, 0.5, "float32", "perturbed")
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("front", FRONTS)
+def test_rows_of_the_dtype_minimum_are_uniform_not_nan(front, x_dtype):
+    """A padded query under an additive mask of finfo(dtype).min (the convention of many
+    Transformer codebases, float32 and bfloat16 masks): every score of that row is the same
+    huge negative number, and its softmax is uniform, as torch.softmax gives; the other rows
+    keep their visible keys.  (The GPU kernels' case: tests/test_softmax_scores_gpu.py.)"""
+    npdt = NP_DTYPES[x_dtype]
+    gen = np.random.default_rng(7)
+    x = gen.standard_normal((3, 2, 5, 9)).astype(npdt)
+    lo = float(ml_dtypes.finfo(BF16).min if x_dtype == "bfloat16" else np.finfo(np.float32).min)
+    mask = np.zeros((3, 1, 5, 9), dtype=npdt)
+    mask[:, :, :, 6:] = lo  # padded keys
+    mask[1, :, 3:, :] = lo  # padded queries of sequence 1: every key at the minimum
+    if front == "torch":
+        tdt = getattr(torch, x_dtype)
+        xt = torch.from_numpy(x.astype(np.float32)).to(tdt)
+        got = drvsoftmax.scaled_masked_softmax(xt, torch.from_numpy(mask.astype(np.float32)).to(tdt))
+        got = got.float().numpy()
+    else:
+        got = np.asarray(drvsoftmax.scaled_masked_softmax(x, mask), dtype=np.float64)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got[1, :, 3:, :], 1 / 9, rtol=TOLS[x_dtype]["rtol"])
+    assert np.all(got[0, :, :, 6:] == 0) and np.all(got[1, :, :3, 6:] == 0)
+    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-2)
