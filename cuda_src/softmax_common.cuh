@@ -360,12 +360,17 @@ __device__ __forceinline__ float smx_max_use(float m) { return m == -SMX_INF ? 0
 // where a shift mu * log2e taken as one rounded float is off by up to half a spacing of
 // floats there (64 and more from |mu| = 2^30 on, and inf beyond 2.4e38: a row of
 // finfo(float32).min or finfo(bfloat16).min scores) and takes exp2 out of range.
-__device__ __forceinline__ float smx_term(float v, float mu) { return smx_exp2((v - mu) * SMX_LOG2E); }
+__device__ __forceinline__ float smx_term_of(float d) { return smx_exp2(d * SMX_LOG2E); }  // d = v - mu
+__device__ __forceinline__ float smx_term(float v, float mu) { return smx_term_of(v - mu); }
+// The sum of the terms of passes that take v - mu in one FMA (fma(x, scale, -mu)): where
+// x * scale overflowed to +inf (x finite), mu is +inf and that FMA gives -inf, not the NaN
+// of inf - inf; the row is NaN, as the held values make it.
+__device__ __forceinline__ float smx_fused_sum(float s, float m) { return m == SMX_INF ? __int_as_float(0x7fffffff) : s; }
 __device__ __forceinline__ void smx_pair_merge(float& m, float& s, float m2, float s2) {
   const float mm = fmaxf(m, m2);
   const float mu = smx_max_use(mm);
-  const float a = s == 0.0f ? 0.0f : s * smx_exp2((smx_max_use(m) - mu) * SMX_LOG2E);
-  const float b = s2 == 0.0f ? 0.0f : s2 * smx_exp2((smx_max_use(m2) - mu) * SMX_LOG2E);
+  const float a = s == 0.0f ? 0.0f : s * smx_term(smx_max_use(m), mu);
+  const float b = s2 == 0.0f ? 0.0f : s2 * smx_term(smx_max_use(m2), mu);
   m = mm;
   s = a + b;
 }

@@ -281,10 +281,10 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
       float M[1] = {mi};
       smx_warp_allreduce<OpMax, 1>(M, 32);
       // A warp that saw nothing visible adds nothing (its max may be -inf); NaN stays.
-      float S[1] = {si == 0.0f ? 0.0f : si * smx_exp2((smx_max_use(mi) - smx_max_use(M[0])) * SMX_LOG2E)};
+      float S[1] = {si == 0.0f ? 0.0f : si * smx_term(smx_max_use(mi), smx_max_use(M[0]))};
       smx_warp_allreduce<OpSum, 1>(S, 32);
       // This warp's terms were taken relative to its own max.
-      const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M[0])) * SMX_LOG2E);
+      const float f = m[r] == -SMX_INF ? 0.0f : smx_term(smx_max_use(m[r]), smx_max_use(M[0]));
       fac[r] = f * smx_inv_sum(S[0]);
     }
     return;
@@ -301,11 +301,11 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
       if (i < wpr) {
         const float si = red[r][1][first + i];
         // A warp that saw nothing visible adds nothing (its max may be -inf); NaN stays.
-        if (si != 0.0f) S += si * smx_exp2((smx_max_use(red[r][0][first + i]) - smx_max_use(M)) * SMX_LOG2E);
+        if (si != 0.0f) S += si * smx_term(smx_max_use(red[r][0][first + i]), smx_max_use(M));
       }
     }
     // This warp's terms were taken relative to its own max.
-    const float f = m[r] == -SMX_INF ? 0.0f : smx_exp2((smx_max_use(m[r]) - smx_max_use(M)) * SMX_LOG2E);
+    const float f = m[r] == -SMX_INF ? 0.0f : smx_term(smx_max_use(m[r]), smx_max_use(M));
     fac[r] = f * smx_inv_sum(S);
   }
 }
@@ -389,11 +389,9 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
       float v[1][1][N];
       smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale, mu[r]);
 #pragma unroll
-      for (int e = 0; e < N; ++e) s[r] += smx_exp2(v[0][0][e] * SMX_LOG2E);
+      for (int e = 0; e < N; ++e) s[r] += smx_term_of(v[0][0][e]);
     }
-    // x * scale overflowed to +inf (x finite), which x * scale - inf in one FMA does not
-    // show: the row is NaN, as the held values make it
-    if (mx[r] == SMX_INF) s[r] = __int_as_float(0x7fffffff);
+    s[r] = smx_fused_sum(s[r], mx[r]);
   }
   smx_warp_allreduce<OpSum, RPT>(s, tpr);
   smx_row_stats<RPT>(mx, s, fac, tpr, red);
@@ -412,7 +410,7 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
       float v[1][1][N];
       smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale, mu[r]);
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[0][0][e] = smx_exp2(v[0][0][e] * SMX_LOG2E);
+      for (int e = 0; e < N; ++e) v[0][0][e] = smx_term_of(v[0][0][e]);
       smx_fwd_store<T, M, 1, 1, AL>(v, f, w, a, c0 + k * tpr, tpr, p);
     }
   }
@@ -564,9 +562,9 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
     float v[N];
     smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale, mu);
 #pragma unroll
-    for (int e = 0; e < N; ++e) s[0] += smx_exp2(v[e] * SMX_LOG2E);
+    for (int e = 0; e < N; ++e) s[0] += smx_term_of(v[e]);
   }
-  if (mx[0] == SMX_INF) s[0] = __int_as_float(0x7fffffff);  // (as in smx_fwd_lean)
+  s[0] = smx_fused_sum(s[0], mx[0]);
   smx_warp_allreduce<OpSum, 1>(s, tpr);
   smx_row_stats<1>(mx, s, fac, tpr, red);
   if (!act) return;
@@ -578,7 +576,7 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
       float v[N];
       smx_edged_values<T>(v, cx[0][k], j0, clim, p.scale, mu);
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = smx_exp2(v[e] * SMX_LOG2E) * fac[0];
+      for (int e = 0; e < N; ++e) v[e] = smx_term_of(v[e]) * fac[0];
       smx_st16(rw.y + j0, smx_pack_chunk<T>(v));
     }
   }
