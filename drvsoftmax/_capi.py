@@ -188,10 +188,10 @@ static inline smx_i64 smx_row_chunks(smx_i64 sk, int itemsize, int aligned_rows)
   return smx_ceil_div(sk + (aligned_rows ? 0 : n - 1), n);
 }
 
-// The register tier's shape for rows of `chunks` chunks (skip_nch, use_lean: see
+// The register tier's shape for rows of `chunks` chunks (skip_nch, use_lean, own: see
 // smx_choose_shape); 0 where no table row holds them.
 static inline int smx_register_shape(smx_i64 rows, smx_i64 chunks, int itemsize, int backward, int skip_nch,
-                                     int use_lean, SmxLaunch* l) {
+                                     int use_lean, int own, SmxLaunch* l) {
   const smx_i64 cap = smx_max_chunks(itemsize);
   const int nrows = backward ? SMX_BWD_TABLE_ROWS : SMX_FWD_TABLE_ROWS;
   const int lean_row[3] = {(int)cap, SMX_LEAN_NCH, 1};
@@ -205,7 +205,7 @@ static inline int smx_register_shape(smx_i64 rows, smx_i64 chunks, int itemsize,
       if (((smx_i64)1 << t) <= 32)
         block = SMX_SMALL_BLOCK;
       else if (((smx_i64)1 << t) == warps)
-        block = ((smx_i64)1 << t) > SMX_BLOCK_THREADS ? ((smx_i64)1 << t) : SMX_BLOCK_THREADS;
+        block = own || ((smx_i64)1 << t) > SMX_BLOCK_THREADS ? ((smx_i64)1 << t) : SMX_BLOCK_THREADS;
       else  // a block of whole warps is one row (the kernel takes the whole block)
         block = warps;
       l->loop = 0;
@@ -237,14 +237,15 @@ static inline int smx_edged_kernel(int itemsize, int nch, int rpt, smx_i64 tpr) 
 // chunks take SMX_LEAN_NCH chunks per thread (the lean kernels).  edged: a forward without
 // a mask, 16-byte access, rows that are not whole chunks: rows of at most the register
 // tier's keys are planned by their whole chunks where the kernel then takes the edged path
-// (lean beyond SMX_LEAN_FROM whole chunks where lean is set).
+// (lean beyond SMX_LEAN_FROM whole chunks where lean is set).  own: rows of more than a
+// warp get a block each (a masked or causal forward, SMX_ROW_OWN_BLOCK).
 static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int backward, int aligned_rows,
-                                    int skip_nch, int lean, int edged, SmxLaunch* l) {
+                                    int skip_nch, int lean, int edged, int own, SmxLaunch* l) {
   const smx_i64 cap = smx_max_chunks(itemsize);
   const int n = SMX_CHUNK_BYTES / itemsize;
   if (edged && !backward && sk <= cap * n) {
     const smx_i64 whole = sk / n > 1 ? sk / n : 1;
-    if (smx_register_shape(rows, whole, itemsize, 0, skip_nch, lean && whole > SMX_LEAN_FROM, l)) {
+    if (smx_register_shape(rows, whole, itemsize, 0, skip_nch, lean && whole > SMX_LEAN_FROM, own, l)) {
       const smx_i64 tpr = ((smx_i64)1 << l->tpr_log2) < l->block ? ((smx_i64)1 << l->tpr_log2) : l->block;
       if (smx_edged_kernel(itemsize, l->nch, l->rpt, tpr)) return;
     }
@@ -252,7 +253,7 @@ static inline void smx_choose_shape(smx_i64 rows, smx_i64 sk, int itemsize, int 
   smx_i64 chunks = smx_row_chunks(sk, itemsize, aligned_rows);
   if (chunks < 1) chunks = 1;
   const int use_lean = lean && !edged && !backward && chunks > SMX_LEAN_FROM && chunks <= cap;
-  if (smx_register_shape(rows, chunks, itemsize, backward, skip_nch, use_lean, l)) return;
+  if (smx_register_shape(rows, chunks, itemsize, backward, skip_nch, use_lean, own, l)) return;
   l->loop = 1;
   l->nch = SMX_LOOP_NCH;
   l->rpt = 1;
@@ -281,7 +282,8 @@ static inline int smx_plan_forward(smx_i64 rows, smx_i64 sk, int dtype, int mask
   const int skip = item == 4 && smx_mask_itemsize(mask_kind) >= 4 ? SMX_WIDE_MASK_SKIPS_NCH : 0;
   const int edged = smx_mask_itemsize(mask_kind) == 0 && vector && !whole;
   const int lean = item == 2 && smx_mask_itemsize(mask_kind) == 0 && (whole || edged) && !causal;
-  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, edged, l);
+  const int own = SMX_ROW_OWN_BLOCK && (smx_mask_itemsize(mask_kind) != 0 || causal);
+  smx_choose_shape(rows, sk, item, 0, aligned_rows || !vector, skip, lean, edged, own, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
@@ -296,7 +298,7 @@ static inline int smx_plan_backward(smx_i64 rows, smx_i64 sk, int dtype, int vec
   if (dtype < 0 || dtype >= SMX_NUM_DTYPES) return SMX_ERR_ARG;
   const int item = smx_dtype_size(dtype);
   const int whole = smx_whole_chunks(sk, item, vector, aligned_rows);
-  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, 0, 0, l);
+  smx_choose_shape(rows, sk, item, 1, aligned_rows || !vector, 0, 0, 0, 0, l);
   l->vector = vector != 0;
   l->whole = whole && !l->loop;
   if (l->loop)
@@ -700,6 +702,7 @@ def c_api_header() -> str:
         f"#define SMX_MAX_GRID {_plan.MAX_GRID}LL",
         f"#define SMX_WIDE_MASK_SKIPS_NCH {_plan.WIDE_MASK_SKIPS_NCH}  // see smx_choose_shape",
         f"#define SMX_LEAN_FROM {_plan.LEAN_FROM}  // see smx_choose_shape",
+        f"#define SMX_ROW_OWN_BLOCK {int(_plan.ROW_OWN_BLOCK)}  // see smx_choose_shape",
         f"#define SMX_LEAN_NCH {_plan.LEAN_NCH}",
         f"#define SMX_MAX_SK {2**31 - 1}LL  // row length limit (row-internal indices are 32-bit)",
         f"#define SMX_MASK_REUSE_BYTES {_core.MASK_REUSE_BYTES}LL  // see smx_mask_row_order",

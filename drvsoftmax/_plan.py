@@ -497,6 +497,27 @@ def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
     return _ceil_div(sk + (0 if aligned_rows else n - 1), n)
 
 
+# A masked or causal forward whose rows span 2 to 8 warps (16-bit rows of 1024 to 4096 keys
+# at 4 chunks per thread) runs a block per row rather than BLOCK threads of several rows.
+# The rows of a block meet at its barrier (the exchange of the warps' partial results), so
+# a block of several rows holds its SM slot until the slowest of them is done; such rows
+# wait longest where rows differ in work (causal: visible prefixes of every length) or carry
+# a mask's loads.  Measured on the H200, % of copy, BLOCK -> a block per row (two runs each):
+# fp16 [8,32,2048,2048] causal 76 / 74 -> 85 / 84 (1.02 -> 0.91 ms); bool mask [B,1,Sq,Sk] fp16
+# Sk 2048 91 / 91 -> 95 / 97, 4096 89 / 88 -> 93 / 93; additive fp16 2048 91 / 90 -> 93 / 93,
+# 4096 91 / 89 -> 92 / 93, bf16 2048 90 / 89 -> 92 / 93; additive fp32 2048 89 / 88 -> 94 / 94,
+# 4096 89 / 87 -> 92 / 92.  Not kept for the forward without a mask (fp32 Sk 1000 93 -> 88,
+# bf16 Sk 4097 94 -> 89) nor for the backward (within noise); a row barrier per row in
+# blocks of BLOCK threads (bar.sync with a thread count) instead gained nothing and cost the
+# 16-bit masked kernels 8 registers.
+ROW_OWN_BLOCK = True
+
+
+def own_block(mask_kind: str, causal: bool) -> bool:
+    """A forward with this mask kind (or causal) runs rows of more than a warp a block each."""
+    return ROW_OWN_BLOCK and (mask_kind != "none" or causal)
+
+
 def choose_shape(
     rows: int,
     sk: int,
@@ -507,18 +528,20 @@ def choose_shape(
     wide: bool = False,
     lean: bool = False,
     edged: bool = False,
+    own: bool = False,
 ) -> tuple[str, int, int, int, int, int, str]:
     """(tier, nch, rpt, tpr_log2, block, grid, reason) for `rows` rows of `sk` elements;
     `whole`: every row is whole 16-byte chunks (the AL kernels' table); `wide`: a forward
     with a wide mask (`wide_mask`); `lean`: a forward that may take the lean kernels
     (`lean_rows`: on whole-chunk rows, and edged ones); `edged`: a forward that may take the
-    edged path (see `edged_kernel`)."""
+    edged path (see `edged_kernel`); `own`: rows of more than a warp get a block each
+    (`own_block`)."""
     table = _configs(BWD_TABLE if backward else FWD_TABLE, itemsize, wide and not backward)
     lean_table = [(MAX_CHUNKS[itemsize], LEAN_NCH, 1, "C/8, lean (values computed afresh in each pass)")]
     if edged and not backward and sk <= MAX_CHUNKS[itemsize] * (CHUNK_BYTES // itemsize):
         whole_chunks = max(sk // (CHUNK_BYTES // itemsize), 1)
         use = lean_table if lean and whole_chunks > LEAN_FROM else table
-        got = _register_shape(rows, whole_chunks, use)
+        got = _register_shape(rows, whole_chunks, use, own)
         if got is not None:
             _, nch, rpt, t, block, _, why = got
             if edged_kernel(itemsize, nch, rpt, min(1 << t, block)):
@@ -526,7 +549,7 @@ def choose_shape(
     chunks = max(row_chunks(sk, itemsize, aligned_rows), 1)
     if lean and whole and not backward and LEAN_FROM < chunks <= MAX_CHUNKS[itemsize]:
         table = lean_table
-    got = _register_shape(rows, chunks, table)
+    got = _register_shape(rows, chunks, table, own)
     if got is not None:
         return got
     t = _log2_ceil(BLOCK)
@@ -535,9 +558,10 @@ def choose_shape(
 
 
 def _register_shape(
-    rows: int, chunks: int, table: list[tuple[int, int, int, str]]
+    rows: int, chunks: int, table: list[tuple[int, int, int, str]], own: bool = False
 ) -> tuple[str, int, int, int, int, int, str] | None:
-    """The register tier's shape for rows of `chunks` chunks, or None where none fits."""
+    """The register tier's shape for rows of `chunks` chunks, or None where none fits
+    (`own`: rows of more than a warp get a block each, see `own_block`)."""
     for limit, nch, rpt, rule in table:
         if chunks <= limit:
             need = _ceil_div(chunks, nch)
@@ -545,12 +569,14 @@ def _register_shape(
             if (1 << t) <= 32:
                 block = SMALL_BLOCK
             elif (1 << t) == _ceil_div(need, 32) * 32:
-                block = max(BLOCK, 1 << t)
+                block = 1 << t if own else max(BLOCK, 1 << t)
             else:  # a block of whole warps is one row (the kernel takes the whole block)
                 block = _ceil_div(need, 32) * 32
             rows_per_block = max(block >> t, 1) * rpt
             grid = _ceil_div(rows, rows_per_block)
             why = f"{chunks} chunks per row <= {limit}: {nch} chunk(s) x {rpt} row(s) per thread, tpr = {rule}"
+            if own and 32 < (1 << t) < max(BLOCK, 1 << t):
+                why += ", a block per row (a masked or causal forward)"
             return "register", nch, rpt, t, block, grid, why
     return None
 
@@ -675,6 +701,7 @@ def plan_forward(
         wide_mask(item, mask_kind),
         lean_rows(item, mask_kind, whole or edged, causal),
         edged,
+        own_block(mask_kind, causal),
     )
     if tier == "loop" and caps is not None:
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]

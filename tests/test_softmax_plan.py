@@ -102,9 +102,40 @@ def test_boundary_configs(dtype, backward, sk, aligned, whole, fcfg, bcfg, tpr):
     want = f"smx_bwd<{t}, {nch}, {rpt}, {al}>" if backward else f"smx_fwd<{t}, MaskHide<smx_u8>, {nch}, {rpt}, {al}>"
     assert plan.kernel == want and plan.whole == whole
     pow2 = tpr & (tpr - 1) == 0
-    assert plan.block == (128 if tpr <= 32 else max(256, tpr) if pow2 else tpr)
+    own = not backward  # a masked forward: rows of more than a warp get a block each
+    assert plan.block == (128 if tpr <= 32 else (tpr if own else max(256, tpr)) if pow2 else tpr)
     assert plan.grid == -(-rows // ((plan.block // tpr) * rpt))
     assert plan.vector is True
+
+
+# Rows of 2 to 8 warps: a block each in a masked or causal forward, blocks of BLOCK threads
+# (several rows) otherwise.  (dtype, Sk, mask kind, causal, backward, threads per row, block)
+OWN_BLOCK_CASES = [
+    ("float16", 2048, "hide1", False, False, 64, 64),
+    ("float16", 4096, "add_float16", False, False, 128, 128),
+    ("bfloat16", 2048, "add_bfloat16", False, False, 64, 64),
+    ("float32", 2048, "add_float32", False, False, 64, 64),  # 8 chunks per thread (wide mask)
+    ("float32", 1024, "hide1", False, False, 64, 64),
+    ("float16", 2048, "none", True, False, 64, 64),  # causal
+    ("float16", 4097, "none", True, False, 128, 128),  # causal, edged rows (512 whole chunks)
+    ("float16", 16384, "hide1", False, False, 512, 512),  # a block of one row either way
+    ("float16", 1024, "hide1", False, False, 32, 128),  # within a warp: rows share blocks
+    ("float32", 1024, "none", False, False, 64, 256),  # no mask: rows share blocks
+    ("bfloat16", 4097, "none", False, False, 64, 256),
+    ("float16", 2048, "none", False, True, 64, 256),  # backward: rows share blocks
+]
+
+
+@pytest.mark.parametrize("dtype,sk,mk,causal,backward,tpr,block", OWN_BLOCK_CASES)
+def test_masked_and_causal_forwards_give_wide_rows_a_block_each(dtype, sk, mk, causal, backward, tpr, block):
+    rows = 1000
+    if backward:
+        plan = _plan.plan_backward(rows, sk, dtype, True, True)
+    else:
+        plan = _plan.plan_forward(rows, sk, dtype, mk, True, True, causal=causal)
+    assert plan.tier == "register" and _tpr(plan) == tpr and plan.block == block, plan
+    assert plan.grid == -(-rows // ((block // tpr) * plan.rpt))
+    assert ("a block per row" in plan.reason) == (32 < tpr < 256 and block == tpr), plan.reason
 
 
 # 16-bit forwards without a mask on whole-chunk rows of more than LEAN_FROM chunks: the
