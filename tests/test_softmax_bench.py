@@ -92,12 +92,18 @@ def test_min_bytes_count_x_mask_and_y_once():
         item = {"float16": 2, "bfloat16": 2, "float32": 4}[c.dtype]
         if c.direction == "bwd":
             want = 3 * n * item  # y, dy read; dx written
+        elif c.mask == "causal":  # x's visible keys only (query i sees keys j <= i + Sk - Sq)
+            sq, sk = c.shape[-2], c.shape[-1]
+            vis = sum(1 for i in range(sq) for j in range(sk) if j <= i + sk - sq)
+            want = (n // (sq * sk) * vis + n) * item
         else:
             mask = math.prod(c.mask_shape) if c.mask_shape else 0
             want = 2 * n * item + mask * {"bool": 1, "add": item}.get(c.mask, 0)
         assert c.min_bytes == want, c.name
     c = rng.choice([c for c in C.plan() if c.mask == "causal"])
-    assert c.min_bytes == 2 * math.prod(c.shape) * 2  # causal: no mask tensor
+    sq = c.shape[-2]  # Sq == Sk: x's lower triangle and the diagonal, y whole
+    assert c.min_bytes == (math.prod(c.shape) // sq * (sq + 1) // 2 + math.prod(c.shape)) * 2
+    assert C.visible_keys((1, 1, 2, 5)) == 4 + 5  # Sq < Sk: keys 0..3, then all 5
 
 
 def test_only_and_quick_select():

@@ -111,10 +111,13 @@ class Case:
 
     @property
     def min_bytes(self) -> int:
-        """x read once, the mask read once at its own size, y written once; backward: y, dy read, dx written."""
+        """x read once (causal: its visible keys only), the mask read once at its own size, y
+        written once; backward: y, dy read, dx written."""
         n = numel(self.shape) * self.itemsize
         if self.direction == "bwd":
             return 3 * n
+        if self.mask == "causal":
+            return visible_keys(self.shape) * self.itemsize + n
         b = 2 * n
         if self.mask == "bool":
             b += numel(self.mask_shape)
@@ -129,6 +132,14 @@ class Case:
         m = f", {self.mask} mask {shape_str(self.mask_shape)}" if self.mask_shape else ""
         m += ", causal" if self.mask == "causal" else ""
         return f"{self.direction} {self.dtype} {shape_str(self.shape)}{m}"
+
+
+def visible_keys(shape: tuple[int, ...]) -> int:
+    """Keys a causal forward (bottom-right aligned: query i sees keys j <= i + Sk - Sq) must
+    read, over every row of x of `shape`."""
+    sq, sk = shape[-2], shape[-1]
+    per = sum(min(sk, max(0, i + 1 + sk - sq)) for i in range(sq))
+    return numel(shape) // (sq * sk) * per
 
 
 def sweep_shape(dtype: str, sk: int) -> tuple[int, int]:
