@@ -10,7 +10,14 @@ so the test process itself never initialises CUDA before a test does).
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# JAX takes most of the GPU's memory at its first use by default; with several test workers
+# on one GPU (pytest -n) that starves the others' CuPy, Numba and torch tests.  Allocate on
+# demand instead (before any test module imports JAX).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from helpers import cuda_available, torch_or_none
 
 
