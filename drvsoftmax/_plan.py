@@ -567,17 +567,20 @@ def _register_shape(
         if chunks <= limit:
             need = _ceil_div(chunks, nch)
             t = _log2_ceil(need)
+            own_why = ""
             if (1 << t) <= 32:
                 block = SMALL_BLOCK
             elif (1 << t) == _ceil_div(need, 32) * 32:
-                block = 1 << t if own else max(BLOCK, 1 << t)
+                block = max(BLOCK, 1 << t)
+                if own and block > (1 << t):
+                    block = 1 << t
+                    own_why = ", a block per row (a masked or causal forward)"
             else:  # a block of whole warps is one row (the kernel takes the whole block)
                 block = _ceil_div(need, 32) * 32
             rows_per_block = max(block >> t, 1) * rpt
             grid = _ceil_div(rows, rows_per_block)
             why = f"{chunks} chunks per row <= {limit}: {nch} chunk(s) x {rpt} row(s) per thread, tpr = {rule}"
-            if own and 32 < (1 << t) < max(BLOCK, 1 << t):
-                why += ", a block per row (a masked or causal forward)"
+            why += own_why
             return "register", nch, rpt, t, block, grid, why
     return None
 
