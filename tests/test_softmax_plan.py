@@ -108,7 +108,7 @@ def test_boundary_configs(dtype, backward, sk, aligned, whole, fcfg, bcfg, tpr):
     assert plan.vector is True
 
 
-# Rows of 2 to 8 warps: a block each in a masked or causal forward, blocks of BLOCK threads
+# Rows of 2 or 4 warps: a block each in a masked or causal forward, blocks of BLOCK threads
 # (several rows) otherwise.  (dtype, Sk, mask kind, causal, backward, threads per row, block)
 OWN_BLOCK_CASES = [
     ("float16", 2048, "hide1", False, False, 64, 64),
