@@ -64,33 +64,40 @@ __device__ __forceinline__ smx_u32 smx_dyn_smem_size() {
   return n;
 }
 // Asynchronous copies global -> shared (sm_80+): 16 bytes (L1 bypassed, L2 prefetch of
-// the 256-byte sector group) or B = 4 / 8 bytes.  Before sm_80 (the coop tier on sm_75)
-// they are plain loads and stores through registers, and commits and waits do nothing.
-__device__ __forceinline__ void smx_cp16(void* dst, const void* src) {
+// the 256-byte sector group) or B = 4 / 8 bytes, to a shared address (smx_smem_addr: a
+// slice's base once, offsets added to it).  Before sm_80 (the coop tier on sm_75) they are
+// plain loads and stores through registers, and commits and waits do nothing.
+__device__ __forceinline__ void smx_cp16a(smx_u32 dst, const void* src) {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smx_smem_addr(dst)), "l"(src) : "memory");
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 #else
-  *(uint4*)dst = smx_ld16(src);
+  const uint4 v = smx_ld16(src);
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 #endif
 }
-template <int B> __device__ __forceinline__ void smx_cp_small(void* dst, const void* src) {
+template <int B> __device__ __forceinline__ void smx_cp_small_a(smx_u32 dst, const void* src) {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smx_smem_addr(dst)), "l"(src), "n"(B) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(B) : "memory");
 #else
   Bytes<B> b;
   smx_load_bytes<B>(b, src);
 #pragma unroll
-  for (int i = 0; i < B / 4; ++i) ((smx_u32*)dst)[i] = b.w[i];
+  for (int i = 0; i < B / 4; ++i) asm volatile("st.shared.u32 [%0], %1;" ::"r"(dst + 4 * i), "r"(b.w[i]) : "memory");
 #endif
 }
 // B bytes (4 .. 64) from a min(B, 16)-aligned address.
-template <int B> __device__ __forceinline__ void smx_cp_bytes(void* dst, const void* src) {
+template <int B> __device__ __forceinline__ void smx_cp_bytes_a(smx_u32 dst, const void* src) {
   if (B >= 16) {
 #pragma unroll
-    for (int i = 0; i < B / 16; ++i) smx_cp16((char*)dst + 16 * i, (const char*)src + 16 * i);
+    for (int i = 0; i < B / 16; ++i) smx_cp16a(dst + 16 * i, (const char*)src + 16 * i);
   } else {
-    smx_cp_small<(B < 16 ? B : 8)>(dst, src);
+    smx_cp_small_a<(B < 16 ? B : 8)>(dst, src);
   }
+}
+__device__ __forceinline__ void smx_cp16(void* dst, const void* src) { smx_cp16a(smx_smem_addr(dst), src); }
+template <int B> __device__ __forceinline__ void smx_cp_bytes(void* dst, const void* src) {
+  smx_cp_bytes_a<B>(smx_smem_addr(dst), src);
 }
 __device__ __forceinline__ int smx_part_begin(int g, int steps) { return g * steps / SMX_CL_PARTS; }
 __device__ __forceinline__ void smx_cp_commit() {
@@ -334,17 +341,164 @@ struct SmxCoopX {
 // - log2(sum)).  What that changes (ex2 / lg2 approximations, about 2^-22 relative) is far
 // below a 16-bit output's resolution; fp32 rows keep the exact path.  The folded STORE's
 // shift max * log2e + log2(sum) is one rounded float: off by up to half a spacing of floats
-// at |max * log2e|, which does not cancel against the exact terms of the sum.  Rows whose
-// max reaches SMX_FOLD_MAX store through the exact path: below it the shift is off by less
-// than 2^-13, about 2^-14 relative.  (PAIR's terms are exact: see smx_term.)
+// at |max * log2e|.  Rows whose max reaches SMX_FOLD_MAX store through the exact path:
+// below it the shift is off by less than 2^-13, about 2^-14 relative.  PAIR's terms are
+// exact (smx_term), except with a hiding mask: there the mask is applied to x's 16-bit bits
+// (hidden: -inf) before the max and the conversion, the max is taken on pairs of 16-bit
+// values, and the terms fold alike (one FMA each) where a step's max is below SMX_FOLD_MAX
+// (exact above): the sum is off by less than 2^-14 relative, an output by less than 2^-13.
 template <typename T, class M> struct SmxFold {
   enum { ON = sizeof(T) == 2 && (!M::PRESENT || M::HIDE) };
 };
 #define SMX_FOLD_MAX 1024.0f
-// x as floats (a hidden element -inf) and their max.
+// A 16-bit -inf, twice (the fold's scale is positive: a hidden element hidden in x's bits
+// becomes -inf after scaling, as M::apply makes it).
+template <typename T> struct SmxNegInf2 { enum : smx_u32 { V = 0xff800000u }; };  // (fp32: never folded)
+template <> struct SmxNegInf2<smx_f16> { enum : smx_u32 { V = 0xfc00fc00u }; };
+template <> struct SmxNegInf2<smx_bf16> { enum : smx_u32 { V = 0xff80ff80u }; };
+// The larger of each half of two words of 16-bit floats (a NaN loses to a number, as in
+// fmaxf: a NaN element still makes its terms, and so the row, NaN).
+__device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b, smx_f16) {
+  smx_u32 r;
+#if __CUDA_ARCH__ >= 800
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  float a0, a1, b0, b1;
+  smx_unpack2(a, a0, a1, smx_f16());
+  smx_unpack2(b, b0, b1, smx_f16());
+  r = smx_pack2<smx_f16>(fmaxf(a0, b0), fmaxf(a1, b1));
+#endif
+  return r;
+}
+__device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b, smx_bf16) {
+  smx_u32 r;
+#if __CUDA_ARCH__ >= 800
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  float a0, a1, b0, b1;
+  smx_unpack2(a, a0, a1, smx_bf16());
+  smx_unpack2(b, b0, b1, smx_bf16());
+  r = smx_pack2<smx_bf16>(fmaxf(a0, b0), fmaxf(a1, b1));
+#endif
+  return r;
+}
+// The raw chunk with its hidden elements made -inf in x's own bits.  Masks of one-byte
+// elements take four elements a word: bit 7 of each byte of w | ((w & 0x7f..) + 0x7f..)
+// is set where the byte is nonzero, and prmt's sign mode spreads it over a 16-bit half.
+template <typename T, class M>
+__device__ __forceinline__ void smx_fold_hide(Chunk<T>& c, const MaskChunk<M, Chunk<T>::N>& m) {
+  enum { N = Chunk<T>::N };
+  if constexpr (!M::PRESENT || !M::HIDE || sizeof(T) != 2) {  // (no hiding mask, or never folded)
+    return;
+  } else if constexpr (sizeof(typename M::S) == 1) {
+    smx_u32 t[N / 4];
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) t[i] = m.b.w[i] | ((m.b.w[i] & 0x7f7f7f7fu) + 0x7f7f7f7fu);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      smx_u32 h;
+      asm("prmt.b32 %0, %1, 0, %2;" : "=r"(h) : "r"(t[i >> 1]), "r"((i & 1) ? 0xbbaau : 0x9988u));
+      c.w[i] = (c.w[i] & ~h) | ((smx_u32)SmxNegInf2<T>::V & h);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (m.e[e] != 0) c.e[e].bits = (smx_u16)SmxNegInf2<T>::V;
+  }
+}
+// The step's chunks with their hidden elements -inf (smx_fold_hide).
 template <typename T, class M, int K>
-__device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const Chunk<T> (&cx)[1][K],
-                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K]) {
+__device__ __forceinline__ void smx_fold_hidden(Chunk<T> (&c)[K], const Chunk<T> (&cx)[1][K],
+                                                const MaskChunk<M, Chunk<T>::N> (&cm)[1][K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    c[k] = cx[0][k];
+    smx_fold_hide<T, M>(c[k], cm[0][k]);
+  }
+}
+// Their max: over pairs of 16-bit values a word at a time (four chains side by side), one
+// conversion of the result.
+template <typename T, int K> __device__ __forceinline__ float smx_fold_max(const Chunk<T> (&c)[K]) {
+  if constexpr (sizeof(T) != 2) {  // (never folded: see SmxFold)
+    float mk = -SMX_INF;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mk = fmaxf(mk, __uint_as_float(c[k].w[i]));
+    return mk;
+  } else {
+    smx_u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] = c[0].w[i];
+#pragma unroll
+      for (int k = 1; k < K; ++k) w[i] = smx_max2(w[i], c[k].w[i], T());
+    }
+    w[0] = smx_max2(smx_max2(w[0], w[1], T()), smx_max2(w[2], w[3], T()), T());
+    float lo, hi;
+    smx_unpack2(w[0], lo, hi, T());
+    return fmaxf(lo, hi);
+  }
+}
+// PAIR of a folded interior step with a hiding mask: merged into (m, s).  Where the step's
+// max is below SMX_FOLD_MAX, each term takes one FMA: exp2(x * scale * log2e - max * log2e), the shift
+// one rounded float, off by less than 2^-14 relative (as the folded STORE's); above it the
+// exact terms of smx_term.
+template <typename T, class M, int K>
+__device__ __forceinline__ void smx_fold_pair_hidden(float& m, float& s, const Chunk<T> (&cx)[1][K],
+                                                     const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale,
+                                                     float sl) {
+  enum { N = Chunk<T>::N };
+  Chunk<T> c[K];
+  smx_fold_hidden<T, M, K>(c, cx, cm);
+  const float mx = smx_fold_max<T, K>(c) * scale;
+  const float mu = smx_max_use(mx);
+  float t[K];  // a sum per chunk, then over the chunks
+  if (fabsf(mu) < SMX_FOLD_MAX) {
+    const float ml = mu * SMX_LOG2E;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      float u[N];
+      smx_chunk_f32<T>(c[k], u);
+      t[k] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < N; ++e) t[k] += smx_exp2(fmaf(u[e], sl, -ml));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      float u[N];
+      smx_chunk_f32<T>(c[k], u);
+      t[k] = 0.0f;
+      // (x * scale overflowing to +inf, x finite, makes the row NaN, as the general path does)
+#pragma unroll
+      for (int e = 0; e < N; ++e) t[k] += smx_term(u[e] * scale, mu);
+    }
+  }
+#pragma unroll
+  for (int k = 1; k < K; ++k) t[0] += t[k];
+  smx_pair_merge(m, s, mx, t[0]);
+}
+// STORE of a folded interior step with a hiding mask (as smx_fold_store).
+template <typename T, class M, int K, int B>
+__device__ __forceinline__ void smx_fold_store_hidden(const Chunk<T> (&cx)[1][K],
+                                                      const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], T* y, int c, int ofs,
+                                                      float sl, float mls) {
+  enum { N = Chunk<T>::N };
+  Chunk<T> h[K];
+  smx_fold_hidden<T, M, K>(h, cx, cm);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float u[N];
+    smx_chunk_f32<T>(h[k], u);
+#pragma unroll
+    for (int e = 0; e < N; ++e) u[e] = smx_exp2(fmaf(u[e], sl, -mls));
+    smx_st16(y + (c + k * B) * N - ofs, smx_pack_chunk<T>(u));
+  }
+}
+// x as floats and their max (no mask).
+template <typename T, int K>
+__device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const Chunk<T> (&cx)[1][K]) {
   enum { N = Chunk<T>::N };
   float mk[K];  // a max per chunk, then over the chunks: K chains side by side
 #pragma unroll
@@ -353,7 +507,6 @@ __device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const 
     mk[k] = -SMX_INF;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (M::PRESENT) u[k][e] = M::apply(u[k][e], cm[0][k].e[e]);
       mk[k] = fmaxf(mk[k], u[k][e]);
     }
   }
@@ -361,25 +514,32 @@ __device__ __forceinline__ float smx_fold_raw(float (&u)[K][Chunk<T>::N], const 
   for (int k = 1; k < K; ++k) mk[0] = fmaxf(mk[0], mk[k]);
   return mk[0];
 }
-// PAIR of a folded interior step: merged into (m, s).
+// PAIR of a folded interior step: merged into (m, s).  With a hiding mask, the mask in x's
+// bits, the max over pairs and one FMA a term (smx_fold_pair_hidden); without one, the exact
+// terms (on the H200 the one-FMA terms and the max over pairs were slower there: fp16 rows
+// of 262144 keys 90 -> 83% of copy, with a bool mask 70 -> 72).
 template <typename T, class M, int K>
 __device__ __forceinline__ void smx_fold_pair(float& m, float& s, const Chunk<T> (&cx)[1][K],
-                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale) {
+                                              const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale, float sl) {
   enum { N = Chunk<T>::N };
-  float u[K][N];
-  const float mx = smx_fold_raw<T, M, K>(u, cx, cm) * scale;
-  const float mu = smx_max_use(mx);
-  float t[K];  // a sum per chunk, then over the chunks
+  if constexpr (M::PRESENT) {
+    smx_fold_pair_hidden<T, M, K>(m, s, cx, cm, scale, sl);
+  } else {
+    float u[K][N];
+    const float mx = smx_fold_raw<T, K>(u, cx) * scale;
+    const float mu = smx_max_use(mx);
+    float t[K];  // a sum per chunk, then over the chunks
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    t[k] = 0.0f;
-    // (x * scale overflowing to +inf, x finite, makes the row NaN, as the general path does)
+    for (int k = 0; k < K; ++k) {
+      t[k] = 0.0f;
+      // (x * scale overflowing to +inf, x finite, makes the row NaN, as the general path does)
 #pragma unroll
-    for (int e = 0; e < N; ++e) t[k] += smx_term(u[k][e] * scale, mu);
+      for (int e = 0; e < N; ++e) t[k] += smx_term(u[k][e] * scale, mu);
+    }
+#pragma unroll
+    for (int k = 1; k < K; ++k) t[0] += t[k];
+    smx_pair_merge(m, s, mx, t[0]);
   }
-#pragma unroll
-  for (int k = 1; k < K; ++k) t[0] += t[k];
-  smx_pair_merge(m, s, mx, t[0]);
 }
 // STORE of a folded interior step: chunks c + k * B (k < K) of row y; mls = max * log2e +
 // log2(sum), sum > 0.
@@ -387,13 +547,17 @@ template <typename T, class M, int K, int B>
 __device__ __forceinline__ void smx_fold_store(const Chunk<T> (&cx)[1][K], const MaskChunk<M, Chunk<T>::N> (&cm)[1][K],
                                                T* y, int c, int ofs, float sl, float mls) {
   enum { N = Chunk<T>::N };
-  float u[K][N];
-  smx_fold_raw<T, M, K>(u, cx, cm);
+  if constexpr (M::PRESENT) {
+    smx_fold_store_hidden<T, M, K, B>(cx, cm, y, c, ofs, sl, mls);
+  } else {
+    float u[K][N];
+    smx_fold_raw<T, K>(u, cx);
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < K; ++k) {
 #pragma unroll
-    for (int e = 0; e < N; ++e) u[k][e] = smx_exp2(fmaf(u[k][e], sl, -mls));
-    smx_st16(y + (c + k * B) * N - ofs, smx_pack_chunk<T>(u[k]));
+      for (int e = 0; e < N; ++e) u[k][e] = smx_exp2(fmaf(u[k][e], sl, -mls));
+      smx_st16(y + (c + k * B) * N - ofs, smx_pack_chunk<T>(u[k]));
+    }
   }
 }
 // Chunks [base, base + K * B) all whole and visible.
@@ -438,10 +602,29 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // LOAD: everything in flight; whole aligned chunks without registers.  Committed in
   // parts, so that PAIR starts on the first part while the others still arrive.
   const int steps = q_count / U;
+  // Shared addresses of this thread's first slots; in the cluster tier a step of whole
+  // visible chunks (and mask chunks read whole) is U copies at fixed offsets from them,
+  // without checks (measured on the H200, % of copy: fp16 rows of 65536 keys with a bool
+  // mask 77 -> 80; the coop tier keeps the per-chunk path: its loop over waves spilled).
+  const smx_u32 xs_a = smx_smem_addr(xs) + tid * XB;
+  const smx_u32 ms_a = smx_smem_addr(ms) + tid * MB;
+  const bool mwhole = !M::PRESENT || rw[0].mvec;
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
 #pragma unroll 1
     for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
+      const int cs0 = cq + st * U * SMX_CBLOCK;  // the step's first chunk
+      if (X::INTERIOR && mwhole && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) {
+        const int j0 = (cs0 + tid) * N - rw[0].ofs;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          smx_cp16a(xs_a + (st * U + u) * SMX_CBLOCK * XB, rw[0].x + j0 + u * SMX_CBLOCK * N);
+          if (M::PRESENT)
+            smx_cp_bytes_a<N * (int)sizeof(typename M::S)>(ms_a + (st * U + u) * SMX_CBLOCK * MB,
+                                                           rw[0].m + j0 + u * SMX_CBLOCK * N);
+        }
+        continue;
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int q = st * U + u;
@@ -480,7 +663,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   const float sl = p.scale * SMX_LOG2E;
   const bool fold = X::INTERIOR && SmxFold<T, M>::ON && sl > 0.0f && sl < SMX_INF;
   if (R > 0 && fold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
-    smx_fold_pair<T, M, RR>(m, s, cxr, cmr, p.scale);
+    smx_fold_pair<T, M, RR>(m, s, cxr, cmr, p.scale, sl);
   } else if (R > 0) {
     float v[1][RR][N], mx[1];
     smx_fwd_values<T, M, RR, 1, false>(v, mx, cxr, cmr, rw, cb + tid, SMX_CBLOCK, p.scale);
@@ -505,7 +688,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
         if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_CBLOCK + tid];
       }
       if (fold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
-        smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale);
+        smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale, sl);
         continue;
       }
       smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, cq + q0 * SMX_CBLOCK + tid, SMX_CBLOCK, p.scale);
@@ -681,8 +864,14 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 // Kernels.  Cluster tier: grid rows * CS in clusters of CS (sm_90+).  Coop tier: grid
 // (G, groups), all blocks co-resident (cooperative launch); group g takes rows g,
 // g + groups, ...
+// CTAs per SM the forward's registers are held to: three (80 registers; the fp32 forward
+// with a bool mask took 88 and two CTAs otherwise), but two where a mask of 8-byte elements
+// or an fp32 forward with an additive mask would spill at 80.
+template <typename T, class M> struct SmxClusterFwdBlocks {
+  enum { V = sizeof(typename M::S) == 8 || (sizeof(T) == 4 && M::PRESENT && !M::HIDE) ? 2 : 3 };
+};
 template <typename T, class M, int R>
-__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+__global__ void __launch_bounds__(SMX_CBLOCK, (SmxClusterFwdBlocks<T, M>::V))
 smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
                 const void* __restrict__ klen, const SmxFwdParams p) {
 #if __CUDA_ARCH__ >= 900

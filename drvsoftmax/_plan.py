@@ -397,7 +397,7 @@ def _two_per_sm(smem: int, caps: DeviceCaps) -> bool:
 
 
 def blocks_per_sm(smem: int, caps: DeviceCaps) -> int:
-    """Blocks of the long-row kernels (BLOCK threads, launch bounds of two blocks per SM)
+    """Blocks of the coop tier's kernels (BLOCK threads, launch bounds of two blocks per SM)
     with `smem` bytes of dynamic shared memory that surely fit one SM: what shared memory
     allows, at most two (more where registers allow is found at launch)."""
     return min(2, (caps.smem_per_block + 1024) // (smem + CLUSTER_SMEM_RESERVE))

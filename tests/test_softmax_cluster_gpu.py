@@ -177,10 +177,11 @@ def test_forward_around_every_cluster_size_boundary(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("scale", [2.5, 1e-3, 0.0, -1.3, 1e38, 3e38])
+@pytest.mark.parametrize("scale", [2.5, 30.0, 1e-3, 0.0, -1.3, 1e38, 3e38])
 def test_forward_interior_at_every_kind_of_scale(dtype, scale):
     """The interior of 16-bit rows folds the scale and 1 / sum into the exponent where
-    0 < scale * log2e < inf (with a bool mask too): large logits (std 40), a zero, a
+    0 < scale * log2e < inf (with a bool mask too): large logits (std 40), logits whose max
+    passes SMX_FOLD_MAX (scale 30: the exact terms), a zero, a
     negative, an overflowing x * scale (1e38: the rows turn NaN as x * scale turns +inf in
     fp32) and an overflowing scale * log2e (3e38); whole steps hidden, a row with nothing
     visible, rows off the 16-byte grid (their first and last steps take the general path)."""
@@ -217,6 +218,21 @@ def test_forward_masks(dtype, sk, kind):
     # 8-byte masks on rows of 200003 keys: clusters of 16 beyond CLUSTER_LOOP_SMEM, the looped tier
     wide = kind in ("int64_11qk", "add_f64_qk") and sk > 100000
     _check_forward(x, m, scale=0.5, what=f"{dtype} Sk={sk} mask {kind}", any_tier=wide)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mdtype", [torch.int8, torch.uint8])
+def test_forward_one_byte_masks_hide_every_nonzero_value(dtype, mdtype):
+    """Any nonzero byte hides, whatever its bits (the folded interior tests them four to a
+    word): 1, 2, 0x7f, 0x80 and 0xff, beside zeros, in a row of whole steps."""
+    b, q, sk = 2, 3, 65536
+    x = _rand((b, 1, q, sk), DTYPES[dtype])
+    pick = _gen.integers(0, 6, (b, 1, q, sk))
+    vals = np.array([0, 1, 2, 0x7F, 0x80, 0xFF], dtype=np.uint8)[pick]
+    vals[..., 0] = 0
+    m = torch.from_numpy(vals.view(np.int8) if mdtype == torch.int8 else vals).cuda()
+    _check_forward(x, m, scale=0.9, what=f"{dtype} {mdtype} mask")
+    _check_forward(x, m[:, :, :1], scale=0.9, what=f"{dtype} {mdtype} mask, one row for every query")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
