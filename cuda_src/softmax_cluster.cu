@@ -358,29 +358,27 @@ template <> struct SmxNegInf2<smx_f16> { enum : smx_u32 { V = 0xfc00fc00u }; };
 template <> struct SmxNegInf2<smx_bf16> { enum : smx_u32 { V = 0xff80ff80u }; };
 // The larger of each half of two words of 16-bit floats (a NaN loses to a number, as in
 // fmaxf: a NaN element still makes its terms, and so the row, NaN).
-__device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b, smx_f16) {
-  smx_u32 r;
 #if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ smx_u32 smx_max2_of(smx_u32 a, smx_u32 b, smx_f16) {
+  smx_u32 r;
   asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-#else
-  float a0, a1, b0, b1;
-  smx_unpack2(a, a0, a1, smx_f16());
-  smx_unpack2(b, b0, b1, smx_f16());
-  r = smx_pack2<smx_f16>(fmaxf(a0, b0), fmaxf(a1, b1));
-#endif
   return r;
 }
-__device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b, smx_bf16) {
+__device__ __forceinline__ smx_u32 smx_max2_of(smx_u32 a, smx_u32 b, smx_bf16) {
   smx_u32 r;
-#if __CUDA_ARCH__ >= 800
   asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+#endif
+template <typename T> __device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b) {
+#if __CUDA_ARCH__ >= 800
+  return smx_max2_of(a, b, T());
 #else
   float a0, a1, b0, b1;
-  smx_unpack2(a, a0, a1, smx_bf16());
-  smx_unpack2(b, b0, b1, smx_bf16());
-  r = smx_pack2<smx_bf16>(fmaxf(a0, b0), fmaxf(a1, b1));
+  smx_unpack2(a, a0, a1, T());
+  smx_unpack2(b, b0, b1, T());
+  return smx_pack2<T>(fmaxf(a0, b0), fmaxf(a1, b1));
 #endif
-  return r;
 }
 // The raw chunk with its hidden elements made -inf in x's own bits.  Masks of one-byte
 // elements take four elements a word: bit 7 of each byte of w | ((w & 0x7f..) + 0x7f..)
@@ -432,9 +430,9 @@ template <typename T, int K> __device__ __forceinline__ float smx_fold_max(const
     for (int i = 0; i < 4; ++i) {
       w[i] = c[0].w[i];
 #pragma unroll
-      for (int k = 1; k < K; ++k) w[i] = smx_max2(w[i], c[k].w[i], T());
+      for (int k = 1; k < K; ++k) w[i] = smx_max2<T>(w[i], c[k].w[i]);
     }
-    w[0] = smx_max2(smx_max2(w[0], w[1], T()), smx_max2(w[2], w[3], T()), T());
+    w[0] = smx_max2<T>(smx_max2<T>(w[0], w[1]), smx_max2<T>(w[2], w[3]));
     float lo, hi;
     smx_unpack2(w[0], lo, hi, T());
     return fmaxf(lo, hi);
