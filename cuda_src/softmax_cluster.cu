@@ -438,40 +438,38 @@ template <typename T, int K> __device__ __forceinline__ float smx_fold_max(const
     return fmaxf(lo, hi);
   }
 }
+// The terms of a step's chunks, a sum per chunk: one FMA a term (FMA: exp2(x * scale * log2e -
+// ml), ml = max * log2e one rounded float) or exact (smx_term).
+template <bool FMA, typename T, int K>
+__device__ __forceinline__ void smx_fold_terms(float (&t)[K], const Chunk<T> (&c)[K], float scale, float sl, float mu,
+                                               float ml) {
+  enum { N = Chunk<T>::N };
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float u[N];
+    smx_chunk_f32<T>(c[k], u);
+    t[k] = 0.0f;
+    // (x * scale overflowing to +inf, x finite, makes the row NaN, as the general path does)
+#pragma unroll
+    for (int e = 0; e < N; ++e) t[k] += FMA ? smx_exp2(fmaf(u[e], sl, -ml)) : smx_term(u[e] * scale, mu);
+  }
+}
 // PAIR of a folded interior step with a hiding mask: merged into (m, s).  Where the step's
-// max is below SMX_FOLD_MAX, each term takes one FMA: exp2(x * scale * log2e - max * log2e), the shift
-// one rounded float, off by less than 2^-14 relative (as the folded STORE's); above it the
-// exact terms of smx_term.
+// max is below SMX_FOLD_MAX, each term takes one FMA, off by less than 2^-14 relative (as
+// the folded STORE's); above it the exact terms.
 template <typename T, class M, int K>
 __device__ __forceinline__ void smx_fold_pair_hidden(float& m, float& s, const Chunk<T> (&cx)[1][K],
                                                      const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale,
                                                      float sl) {
-  enum { N = Chunk<T>::N };
   Chunk<T> c[K];
   smx_fold_hidden<T, M, K>(c, cx, cm);
   const float mx = smx_fold_max<T, K>(c) * scale;
   const float mu = smx_max_use(mx);
   float t[K];  // a sum per chunk, then over the chunks
   if (fabsf(mu) < SMX_FOLD_MAX) {
-    const float ml = mu * SMX_LOG2E;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      float u[N];
-      smx_chunk_f32<T>(c[k], u);
-      t[k] = 0.0f;
-#pragma unroll
-      for (int e = 0; e < N; ++e) t[k] += smx_exp2(fmaf(u[e], sl, -ml));
-    }
+    smx_fold_terms<true, T, K>(t, c, scale, sl, mu, mu * SMX_LOG2E);
   } else {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      float u[N];
-      smx_chunk_f32<T>(c[k], u);
-      t[k] = 0.0f;
-      // (x * scale overflowing to +inf, x finite, makes the row NaN, as the general path does)
-#pragma unroll
-      for (int e = 0; e < N; ++e) t[k] += smx_term(u[e] * scale, mu);
-    }
+    smx_fold_terms<false, T, K>(t, c, scale, sl, mu, 0.0f);
   }
 #pragma unroll
   for (int k = 1; k < K; ++k) t[0] += t[k];
