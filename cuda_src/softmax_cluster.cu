@@ -353,7 +353,7 @@ template <typename T, class M> struct SmxFold {
 #define SMX_FOLD_MAX 1024.0f
 // A 16-bit -inf, twice (the fold's scale is positive: a hidden element hidden in x's bits
 // becomes -inf after scaling, as M::apply makes it).
-template <typename T> struct SmxNegInf2 { enum : smx_u32 { V = 0xff800000u }; };  // (fp32: never folded)
+template <typename T> struct SmxNegInf2;
 template <> struct SmxNegInf2<smx_f16> { enum : smx_u32 { V = 0xfc00fc00u }; };
 template <> struct SmxNegInf2<smx_bf16> { enum : smx_u32 { V = 0xff80ff80u }; };
 // The larger of each half of two words of 16-bit floats (a NaN loses to a number, as in
@@ -386,9 +386,7 @@ template <typename T> __device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx
 template <typename T, class M>
 __device__ __forceinline__ void smx_fold_hide(Chunk<T>& c, const MaskChunk<M, Chunk<T>::N>& m) {
   enum { N = Chunk<T>::N };
-  if constexpr (!M::PRESENT || !M::HIDE || sizeof(T) != 2) {  // (no hiding mask, or never folded)
-    return;
-  } else if constexpr (sizeof(typename M::S) == 1) {
+  if constexpr (sizeof(typename M::S) == 1) {
     smx_u32 t[N / 4];
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) t[i] = m.b.w[i] | ((m.b.w[i] & 0x7f7f7f7fu) + 0x7f7f7f7fu);
@@ -417,26 +415,17 @@ __device__ __forceinline__ void smx_fold_hidden(Chunk<T> (&c)[K], const Chunk<T>
 // Their max: over pairs of 16-bit values a word at a time (four chains side by side), one
 // conversion of the result.
 template <typename T, int K> __device__ __forceinline__ float smx_fold_max(const Chunk<T> (&c)[K]) {
-  if constexpr (sizeof(T) != 2) {  // (never folded: see SmxFold)
-    float mk = -SMX_INF;
+  smx_u32 w[4];
 #pragma unroll
-    for (int k = 0; k < K; ++k)
+  for (int i = 0; i < 4; ++i) {
+    w[i] = c[0].w[i];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mk = fmaxf(mk, __uint_as_float(c[k].w[i]));
-    return mk;
-  } else {
-    smx_u32 w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w[i] = c[0].w[i];
-#pragma unroll
-      for (int k = 1; k < K; ++k) w[i] = smx_max2<T>(w[i], c[k].w[i]);
-    }
-    w[0] = smx_max2<T>(smx_max2<T>(w[0], w[1]), smx_max2<T>(w[2], w[3]));
-    float lo, hi;
-    smx_unpack2(w[0], lo, hi, T());
-    return fmaxf(lo, hi);
+    for (int k = 1; k < K; ++k) w[i] = smx_max2<T>(w[i], c[k].w[i]);
   }
+  w[0] = smx_max2<T>(smx_max2<T>(w[0], w[1]), smx_max2<T>(w[2], w[3]));
+  float lo, hi;
+  smx_unpack2(w[0], lo, hi, T());
+  return fmaxf(lo, hi);
 }
 // The terms of a step's chunks, a sum per chunk: one FMA a term (FMA: exp2(x * scale * log2e -
 // ml), ml = max * log2e one rounded float) or exact (smx_term).
@@ -518,7 +507,9 @@ template <typename T, class M, int K>
 __device__ __forceinline__ void smx_fold_pair(float& m, float& s, const Chunk<T> (&cx)[1][K],
                                               const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale, float sl) {
   enum { N = Chunk<T>::N };
-  if constexpr (M::PRESENT) {
+  if constexpr (!SmxFold<T, M>::ON) {
+    return;  // (never called: the callers fold only where SmxFold is on)
+  } else if constexpr (M::PRESENT) {
     smx_fold_pair_hidden<T, M, K>(m, s, cx, cm, scale, sl);
   } else {
     float u[K][N];
@@ -543,7 +534,9 @@ template <typename T, class M, int K, int B>
 __device__ __forceinline__ void smx_fold_store(const Chunk<T> (&cx)[1][K], const MaskChunk<M, Chunk<T>::N> (&cm)[1][K],
                                                T* y, int c, int ofs, float sl, float mls) {
   enum { N = Chunk<T>::N };
-  if constexpr (M::PRESENT) {
+  if constexpr (!SmxFold<T, M>::ON) {
+    return;  // (as smx_fold_pair)
+  } else if constexpr (M::PRESENT) {
     smx_fold_store_hidden<T, M, K, B>(cx, cm, y, c, ofs, sl, mls);
   } else {
     float u[K][N];
