@@ -71,6 +71,13 @@ BWD_TABLE = (
     (2048, 4, 1, "C/4"),
     (4096, 8, 1, "C/8"),
 )
+# Tried and not kept: 8 chunks per thread for fp32 rows from 129 chunks (Sk > 512; warps of
+# 8 chunks at Sk 1000 and 1024, 256 threads at 8192): on the H200, % of copy, 4 -> 8 chunks,
+# three rounds each, Sk 1000 95.4 / 96.3 / 96.8 -> 96.2 / 95.7 / 93.4, 8192 96.3 / 97.7 /
+# 99.1 -> 95.7 / 95.1 / 92.1, 4097 91.7 / 93.2 / 89.4 -> 90.3 / 93.1 / 89.8.  Nor does the
+# cluster tier win below it (fp16 with a bool mask [B,1,Sq,Sk], clusters of 2: Sk 16384
+# 77.8 against 44.1% of copy, 4096 92.0 against 11.0; fp32 with an additive mask at 16384
+# 72.1 against 64.6).
 # The register tier holds rows of up to 16384 elements: 4096 fp32 chunks, 2048 16-bit ones
 # (longer 16-bit rows would hold 64 values per thread in 512 threads; they take the looped
 # tier).
@@ -290,18 +297,22 @@ CLUSTER_SMEM_RESERVE = 1024
 # 57; the forward without a mask keeps its clusters: 62 / 56).
 CLUSTER_LOOP_SMEM = 128 * 1024
 # Chunks per thread the register variants hold in registers (the forward without a mask,
-# the fp32 forward with any mask, the backward): the cluster tier always takes them there
-# (measured on the H200, % of copy, the same cluster without -> with them: fp16 forward
-# 65536 keys 74 -> 79, fp32 forward with a bool mask 65536 73 -> 80, 262144 62 -> 75; the
-# fp16 forward with a bool mask lost 1-2 points: it has no variant); the coop tier takes
-# them where shared memory alone fits one block per SM and with them two fit.
+# the fp32 forward with any mask, the 16-bit forward with a 1-byte hiding mask, the
+# backward): the cluster tier always takes them there (measured on the H200, % of copy,
+# the same cluster without -> with them: fp16 forward 65536 keys 74 -> 79, fp32 forward
+# with a bool mask 65536 73 -> 80, 262144 62 -> 75; fp16 forward with a bool mask, once its
+# fold works on x's bits (SmxFold in softmax_cluster.cu), 65536 79.5 -> 84.0 and 262144
+# 71.2 -> 76.7: 74 KB slices, three CTAs per SM instead of two of 98 KB); the coop tier
+# takes them where shared memory alone fits one block per SM and with them two fit.  The
+# 16-bit forward with wider masks has no variant: 4 chunks of mask beside 4 of x in
+# registers exceed the three CTAs' 80 registers per thread.
 CLUSTER_REG = 4
 
 
 def cluster_reg(itemsize: int, mask_kind: str) -> int:
     """Chunks per thread in registers of the cluster tier's forward of x of `itemsize`
     bytes with this mask kind: CLUSTER_REG (the register variant) or 0."""
-    return CLUSTER_REG if mask_kind == "none" or itemsize == 4 else 0
+    return CLUSTER_REG if mask_kind in ("none", "hide1") or itemsize == 4 else 0
 
 
 # The coop tier (every architecture the package builds for): rows beyond the register tier

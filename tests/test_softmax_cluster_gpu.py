@@ -118,20 +118,20 @@ def _check_backward(dy, y, *, scale=0.5, what="", cluster=None, any_tier=False):
     assert _same_bits(dy, dy_before) and _same_bits(y, y_before), f"{what}: dy and y must not be written"
 
 
-def _planned(dtype: str, sk: int, backward: bool) -> _plan.LaunchPlan:
+def _planned(dtype: str, sk: int, backward: bool, mask_kind: str = "none") -> _plan.LaunchPlan:
     if backward:
         return _plan.plan_backward(2, sk, dtype, True, True, _caps())
-    return _plan.plan_forward(2, sk, dtype, "none", True, True, _caps())
+    return _plan.plan_forward(2, sk, dtype, mask_kind, True, True, _caps())
 
 
-def _boundary_sks(dtype: str, backward: bool) -> list[tuple[int, _plan.LaunchPlan]]:
+def _boundary_sks(dtype: str, backward: bool, mask_kind: str = "none") -> list[tuple[int, _plan.LaunchPlan]]:
     """Row lengths around every change of launch shape of the cluster tier on this device
     (cluster size, chunks per thread, register variant; the register tier before it and the
     loop after it), each with the plan it gets: just below, at and one past each change."""
     n = 16 // ITEM[dtype]
 
     def key(c):
-        p = _planned(dtype, c * n, backward)
+        p = _planned(dtype, c * n, backward, mask_kind)
         return p.tier, p.kernel, p.cluster, p.nch
 
     last = 2048 if ITEM[dtype] == 2 else 4096  # the register tier's last row, in chunks
@@ -149,7 +149,7 @@ def _boundary_sks(dtype: str, backward: bool) -> list[tuple[int, _plan.LaunchPla
     out = []
     for chunks in changes:
         for sk in (chunks * n - 1, chunks * n, chunks * n + 1):
-            p = _planned(dtype, sk, backward)
+            p = _planned(dtype, sk, backward, mask_kind)
             if p.tier == "cluster":
                 out.append((sk, p))
     return out
@@ -174,6 +174,22 @@ def test_forward_around_every_cluster_size_boundary(dtype):
     for sk in (16385, 16393, 20001, 40000, 65537, 99999):
         x = _rand((3, sk), DTYPES[dtype])
         _check_forward(x, scale=-0.6, what=f"{dtype} Sk={sk}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_with_a_bool_mask_around_every_cluster_size_boundary(dtype):
+    """As above with a bool mask of every row's own (the register variant holds 4 chunks of
+    x and of the mask per thread in registers, the rest of the slice in shared memory), up
+    to the last row the tier takes; about 20% of the keys hidden."""
+    cases = _boundary_sks(dtype, False, "hide1")
+    assert {p.cluster for _, p in cases} == {2, 4, 8, 16}, [(sk, p.kernel, p.cluster) for sk, p in cases]
+    assert all(p.kernel.endswith(", 4>") for _, p in cases), [p.kernel for _, p in cases]
+    for sk, p in cases:
+        x = _rand((2, sk), DTYPES[dtype])
+        m = torch.from_numpy(_gen.random((2, sk)) < 0.2).cuda()
+        _check_forward(
+            x, m, scale=0.37, what=f"{dtype} Sk={sk} bool ({p.kernel}, {p.cluster} x {p.nch})", any_tier=True
+        )
 
 
 # Logits past SMX_FOLD_MAX (scale 30 on std 40) in 16-bit rows only: fp32 rows are never

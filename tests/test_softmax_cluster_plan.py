@@ -27,6 +27,13 @@ _slot = chunk_slot_bytes
 _plan_of = plan_of
 
 
+def _has_reg_variant(dtype: str, mk: str, backward: bool) -> bool:
+    """The cluster kernels that hold CLUSTER_REG chunks per thread in registers: every
+    backward, the forward without a mask, the fp32 forward with any mask, the 16-bit forward
+    with a 1-byte hiding mask (wider masks beside 16-bit x would not fit its registers)."""
+    return backward or mk in ("none", "hide1") or ITEM[dtype] == 4
+
+
 def test_mask_element_sizes_match_the_c_types():
     assert set(_plan.MASK_ITEMSIZE) == set(_plan.MASK_KINDS)
     for mk in _plan.MASK_KINDS:
@@ -94,7 +101,9 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 rows = 37
                 p = _plan_of(backward, rows, sk, dtype, mk, aligned, caps)
                 chunks = _plan.row_chunks(sk, ITEM[dtype], aligned)
-                reg_variant = backward or _plan.cluster_reg(ITEM[dtype], mk) > 0
+                reg_variant = _has_reg_variant(dtype, mk, backward)
+                if not backward:
+                    assert _plan.cluster_reg(ITEM[dtype], mk) == (_plan.CLUSTER_REG if reg_variant else 0), mk
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
                 if want is None:
                     assert p.tier in ("coop", "loop") and p.cluster == 0, (mk, sk, p)
@@ -111,7 +120,7 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                     _plan.kernel_bwd_cluster(dtype, reg) if backward else _plan.kernel_fwd_cluster(dtype, mk, reg)
                 )
                 assert p.kernel in _plan.all_kernel_names()
-    if caps is H200:  # the register variants where they exist; 16-bit masked forwards have none
+    if caps is H200:  # the register variants where they exist; 16-bit forwards with wider masks have none
         assert regs_seen == ({0, _plan.CLUSTER_REG} if not backward and ITEM[dtype] == 2 else {_plan.CLUSTER_REG})
 
 
@@ -130,10 +139,24 @@ def test_register_variant_wherever_there_is_one():
     assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (8, 16, 12 * 256 * 16)
     p = _plan.plan_backward(64, 65536, "bfloat16", True, True, H200)
     assert p.kernel.endswith(", 4>") and (p.cluster, p.nch, p.smem) == (2, 16, 12 * 256 * 32)
-    # fp32 forwards with a mask have the variant; 16-bit ones do not (they measured slower).
+    # fp32 forwards with any mask have the variant; 16-bit ones with a 1-byte hiding mask
+    # only (4 chunks of a wider mask beside x's would not fit its registers).
     p = _plan.plan_forward(64, 262144, "float32", "hide1", True, True, H200)
     assert p.kernel == "smx_fwd_cluster<float, MaskHide<smx_u8>, 4>" and p.cluster == 16
-    assert _plan.plan_forward(64, 262144, "float16", "hide1", True, True, H200).kernel.endswith("<smx_u8>, 0>")
+    p = _plan.plan_forward(64, 262144, "float16", "hide1", True, True, H200)
+    assert p.kernel == "smx_fwd_cluster<smx_f16, MaskHide<smx_u8>, 4>" and (p.cluster, p.nch, p.smem) == (
+        8,
+        16,
+        12 * 256 * 24,
+    )
+    p = _plan.plan_forward(64, 65536, "bfloat16", "hide1", True, True, H200)
+    assert p.kernel == "smx_fwd_cluster<smx_bf16, MaskHide<smx_u8>, 4>" and (p.cluster, p.nch, p.smem) == (
+        2,
+        16,
+        12 * 256 * 24,
+    )
+    assert _plan.plan_forward(64, 262144, "float16", "hide2", True, True, H200).kernel.endswith("<smx_u16>, 0>")
+    assert _plan.plan_forward(64, 262144, "bfloat16", "add_bfloat16", True, True, H200).kernel.endswith(", 0>")
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -156,19 +179,18 @@ def test_cluster_tier_starts_where_the_register_tier_ends(backward):
 
 @pytest.mark.parametrize(
     "dtype,mk,backward",
-    [("float16", "none", False), ("bfloat16", "hide1", False), ("float32", "none", False)],
+    [("float16", "none", False), ("float16", "hide1", False), ("bfloat16", "hide1", False), ("float32", "none", False)],
 )
 def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     """The last row length the cluster tier takes and the first it leaves to the loop."""
     n = 16 // ITEM[dtype]
     slot = _slot(mk or "none", dtype, backward)
     qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
-    reg = _plan.CLUSTER_REG if backward or mk == "none" else 0
+    reg = _plan.CLUSTER_REG if _has_reg_variant(dtype, mk, backward) else 0
     after = "loop"
     if backward or mk != "none":
-        # Masked forwards: clusters of 16 up to CLUSTER_LOOP_SMEM per block (they have no
-        # register variant).
-        qmax, reg = min(qmax, _plan.CLUSTER_LOOP_SMEM // (256 * slot) // 4 * 4), 0
+        # Masked forwards and backwards: clusters of 16 up to CLUSTER_LOOP_SMEM per block.
+        qmax = min(qmax, _plan.CLUSTER_LOOP_SMEM // (256 * slot) // 4 * 4)
     longest = 16 * 256 * (qmax + reg) * n
     p = _plan_of(backward, 2, longest, dtype, mk or "none", True, H200)
     assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax + reg and p.kernel.endswith(f", {reg}>")
