@@ -100,6 +100,23 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
     return itemsize == 4 and MASK_ITEMSIZE[mask_kind] >= 4
 
 
+# Also measured on the H200 for the 16-bit 4-chunk row with a mask, and not kept:
+# - the cluster tier's fold in this tier (hidden keys as -inf in x's bits, the max over pairs
+#   of 16-bit values, one FMA a term; 60 registers against 56), % of copy, three rounds, fp16
+#   with a bool mask [B,1,Sq,Sk]: Sk 2048 94.9 / 96.2 / 97.0 -> 87.1 / 87.9 / 88.3, 4096 89.7 /
+#   91.2 / 91.8 -> 85.5 / 84.2 / 84.6, 16384 75.4 / 75.7 / 77.6 -> 70.9 / 69.2 / 69.8 (bf16
+#   78.1 / 78.9 / 79.9 -> 73.0 / 71.4 / 72.3);
+# - three blocks per SM (40 registers): every such kernel spills (sm_90, 64-160 bytes of
+#   stack), and held raw as in the lean kernels it still takes 60 registers uncapped.
+# At 16384 keys the mask is not what costs: DRAM reads of fp16 [2,16,512,16384] with a bool
+# mask [2,1,512,16384] were 553.7 MB, x and the mask once.
+# Nor did storing the zeros past a causal or key_lengths prefix right after LOAD (while the
+# loads are in flight) win: fp16 [8,32,2048,2048] causal 0.942 / 0.936 / 0.911 ms -> 0.914 /
+# 0.917 / 0.923.  That case's DRAM traffic is its minimum (1.09 GB read, 2.12 GB written);
+# two thirds of it are writes, and a write-only stream (zero_) reached 3363 GB/s against a
+# copy's 4255 in the same run.
+
+
 # 16-bit x without a mask, whole-chunk rows of more than LEAN_FROM chunks (Sk > 1024): 8
 # chunks per thread, held raw ("lean" kernels: each pass computes a chunk's values afresh,
 # see SMX_HELD_VALUES in softmax_fwd.cu), twice the loads in flight of the 4-chunk row at
