@@ -109,7 +109,23 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
 # - three blocks per SM (40 registers): every such kernel spills (sm_90, 64-160 bytes of
 #   stack), and held raw as in the lean kernels it still takes 60 registers uncapped.
 # At 16384 keys the mask is not what costs: DRAM reads of fp16 [2,16,512,16384] with a bool
-# mask [2,1,512,16384] were 553.7 MB, x and the mask once.
+# mask [2,1,512,16384] were 553.7 MB, x and the mask once.  Nor is the arithmetic: a plain
+# kernel that reads x and that mask and writes y with none, a row per block, reached
+# 73.6 / 76.2% (512 threads x 4 chunks), 74.0 / 75.9 (256 x 8) and 81.3 / 83.1 (1024 x 2)
+# against this kernel's 82.2 / 82.3 in the same run (copy 4207 GB/s).
+# Also measured and not kept, for a block per row (% of copy, two rounds):
+# - warming L2 with the row the block a wave later takes (that row's x and mask, 2 x SM
+#   count rows ahead), issued after LOAD: prefetch.global.L2 per chunk / one
+#   cp.async.bulk.prefetch.L2 per row: fp16 bool 16384 77.4 / 77.1 -> 76.6 / 77.2 and
+#   79.9 / 81.0, bf16 bool 16384 80.7 / 82.5 -> 76.1 / 76.0 and 82.0 / 84.0, but fp16
+#   additive 16384 82.1 / 81.6 -> 69.4 / 69.4 and 55.5 / 58.3, fp32 bool 16384 89.5 / 91.6
+#   -> 68.4 / 68.3 and 66.2 / 70.6, fp32 without a mask 16384 94.7 / 93.9 -> 70.4 / 70.6 and
+#   70.8 / 72.7; issued before LOAD, worse still (fp16 bool 16384 71.0 / 74.3);
+# - 8 chunks per thread held raw (the lean kernels) with a hiding mask applied to x's bits
+#   right after LOAD (then the lean passes of a row without a mask; 64 registers, 56-80
+#   bytes of stack on sm_90): fp16 bool 2048 97.7 / 96.7 / 96.7 -> 69.8 / 69.2 / 69.1, 4096
+#   93.1 / 91.8 / 92.1 -> 65.1 / 65.0 / 65.0, 16384 78.5 / 77.3 / 78.0 -> 64.9 / 65.8 / 64.4
+#   (bf16 81.9 / 77.4 / 77.3 -> 65.0 / 61.3 / 60.9).
 # Nor did storing the zeros past a causal or key_lengths prefix right after LOAD (while the
 # loads are in flight) win: fp16 [8,32,2048,2048] causal 0.942 / 0.936 / 0.911 ms -> 0.914 /
 # 0.917 / 0.923.  That case's DRAM traffic is its minimum (1.09 GB read, 2.12 GB written);
@@ -539,7 +555,15 @@ def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
 # bf16 Sk 4097 94 -> 89) nor for the backward (within noise); a row barrier per row in
 # blocks of BLOCK threads (bar.sync with a thread count) instead gained nothing and cost the
 # 16-bit masked kernels 8 registers.  Nor did skipping the terms of chunks wholly past the
-# visible prefix (causal 0.90 -> 0.94 ms, masks 2-4% slower: 7-9 registers more).
+# visible prefix (causal 0.90 -> 0.94 ms, masks 2-4% slower: 7-9 registers more; again with
+# the values of such chunks skipped too: 0.899 / 0.899 / 0.899 -> 0.890 / 0.908 / 0.889 ms,
+# fp16 without a mask Sk 2048 97.4 -> 93.9%, bool 2048 96.6 -> 91.2%).  Other shapes for
+# that causal case, ms, two rounds: 4 chunks per thread (as planned) 0.920 / 0.902; 2 chunks
+# (128 threads) 1.100 / 1.085; 8 chunks (a warp) 1.208 / 1.166; 4 chunks x 2 rows 1.164 /
+# 1.186; 1 chunk 1.593 / 1.598.  A plain kernel that moves the case's bytes (the chunks
+# holding a visible key read, the whole row written) with no arithmetic took 0.792-0.799 ms
+# in its 8 best timings (52 shapes, two rounds each; 0.902-0.924 for this kernel in the same
+# run): what bounds that case is the softmax's phases, not its traffic.
 ROW_OWN_BLOCK = True
 
 
