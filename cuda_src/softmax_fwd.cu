@@ -70,7 +70,9 @@ __device__ __forceinline__ int smx_fwd_cs1(const FwdRow<T, M>& r, const SmxFwdPa
   return (p.flags & SMX_F_VEC) ? max(r.c0, (p.sk + r.ofs) / Chunk<T>::N) : 0;
 }
 
-template <typename T, class M, bool AL>
+// SMALL: the launch has 32-bit row maps (SMX_F_SMALL, fewer than 2^31 rows): the 64-bit
+// path (a call) is not compiled in.
+template <typename T, class M, bool AL, bool SMALL = false>
 __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void* mask, const void* klen,
                                                     const SmxFwdParams& p, smx_i64 row) {
   typedef typename M::S S;
@@ -84,7 +86,7 @@ __device__ __forceinline__ FwdRow<T, M> smx_fwd_row(const T* x, T* y, const void
   r.mvec = false;
   r.c0 = r.c1 = r.cs1 = 0;
   if (row >= p.rows) return r;
-  const bool small = (p.flags & SMX_F_SMALL) != 0;
+  const bool small = SMALL || (p.flags & SMX_F_SMALL) != 0;
   const smx_i64 ox = smx_row_offset(p.map_x, row, small);
   r.x = x + ox;
   r.y = y + ((p.flags & SMX_F_SAMEMAP) ? ox : smx_row_offset(p.map_y, row, small));
@@ -604,6 +606,45 @@ __device__ __forceinline__ void smx_fwd_keywise(const FwdRow<T, M>& rw, bool act
   }
 }
 
+// Everything after LOAD of the register tier's forward: VALUES, the row's (max, sum), STORE
+// (the lean kernels' passes where a thread holds more than SMX_HELD_VALUES values).
+template <typename T, class M, int NCH, int RPT, bool AL>
+__device__ __forceinline__ void smx_fwd_body(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
+                                             FwdRow<T, M> (&rw)[RPT], const bool (&act)[RPT], int lane, int tpr,
+                                             const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
+  enum { N = Chunk<T>::N };
+  if (NCH * N > SMX_HELD_VALUES) {
+    smx_fwd_lean<T, M, NCH, RPT, AL>(cx, cm, rw, act, lane, tpr, p, red);
+    return;
+  }
+  float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
+  smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
+  smx_warp_allreduce<OpMax, RPT>(mx, tpr);
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    const float mu = smx_max_use(mx[r]);
+    s[r] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k)
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        v[r][k][e] = smx_term(v[r][k][e], mu);
+        s[r] += v[r][k][e];
+      }
+  }
+  smx_warp_allreduce<OpSum, RPT>(s, tpr);
+  smx_row_stats<RPT, sizeof(T) == 2 && NCH <= 4>(mx, s, fac, tpr, red);
+  // cs1 afresh rather than kept live since the set-up: through LOAD and VALUES it costs
+  // a register, which the general 16-bit kernels of 4 chunks with a mask spilled (sm_86,
+  // sm_89, sm_90), as did the fp32 ones of 2 chunks (sm_86, sm_89).  The 16-bit kernels
+  // without a mask keep it: recomputed, it costs them a spill on sm_75.
+  if (!AL && (M::PRESENT || sizeof(T) == 4)) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) rw[r].cs1 = smx_fwd_cs1(rw[r], p);
+  }
+  smx_fwd_store<T, M, NCH, RPT, AL>(v, fac, rw, act, lane, tpr, p);
+}
+
 template <typename T, class M, int NCH, int RPT, bool AL>
 __global__ void __launch_bounds__(SMX_BLOCK, NCH * Chunk<T>::N > SMX_HELD_VALUES ? SMX_LEAN_MIN_BLOCKS : 0)
 smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask, const void* __restrict__ klen,
@@ -638,37 +679,7 @@ smx_fwd(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mas
   Chunk<T> cx[RPT][NCH];
   MaskChunk<M, N> cm[RPT][NCH];
   smx_fwd_load<T, M, NCH, RPT, AL>(cx, cm, rw, lane, tpr, p, x, (const typename M::S*)mask);
-
-  if (NCH * N > SMX_HELD_VALUES) {
-    smx_fwd_lean<T, M, NCH, RPT, AL>(cx, cm, rw, act, lane, tpr, p, red);
-    return;
-  }
-  float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
-  smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
-  smx_warp_allreduce<OpMax, RPT>(mx, tpr);
-#pragma unroll
-  for (int r = 0; r < RPT; ++r) {
-    const float mu = smx_max_use(mx[r]);
-    s[r] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NCH; ++k)
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        v[r][k][e] = smx_term(v[r][k][e], mu);
-        s[r] += v[r][k][e];
-      }
-  }
-  smx_warp_allreduce<OpSum, RPT>(s, tpr);
-  smx_row_stats<RPT, sizeof(T) == 2 && NCH <= 4>(mx, s, fac, tpr, red);
-  // cs1 afresh rather than kept live since the set-up: through LOAD and VALUES it costs
-  // a register, which the general 16-bit kernels of 4 chunks with a mask spilled (sm_86,
-  // sm_89, sm_90), as did the fp32 ones of 2 chunks (sm_86, sm_89).  The 16-bit kernels
-  // without a mask keep it: recomputed, it costs them a spill on sm_75.
-  if (!AL && (M::PRESENT || sizeof(T) == 4)) {
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) rw[r].cs1 = smx_fwd_cs1(rw[r], p);
-  }
-  smx_fwd_store<T, M, NCH, RPT, AL>(v, fac, rw, act, lane, tpr, p);
+  smx_fwd_body<T, M, NCH, RPT, AL>(cx, cm, rw, act, lane, tpr, p, red);
 }
 
 // Rows longer than a block holds: one block per row (blockDim = threads per row), the

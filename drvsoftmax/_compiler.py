@@ -39,7 +39,9 @@ ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 # Options common to every compile; part of every cache key and artifact hash.
 BASE_OPTIONS = ("-std=c++17", "-DNDEBUG")
 MAIN_NAME = "drvsoftmax_kernels.cu"
-MAIN_SOURCE = '#include "softmax_fwd.cu"\n#include "softmax_bwd.cu"\n#include "softmax_cluster.cu"\n'
+MAIN_SOURCE = (
+    '#include "softmax_fwd.cu"\n#include "softmax_bwd.cu"\n#include "softmax_cluster.cu"\n#include "softmax_pipe.cu"\n'
+)
 
 
 def source_dir() -> Path:

@@ -174,6 +174,7 @@ class Prepared:
         "cluster",
         "coop",
         "fallback",
+        "smem",
     )
 
     def __init__(self, dev: Device, plan: _plan.LaunchPlan, packed: bytes, nargs: int) -> None:
@@ -196,6 +197,8 @@ class Prepared:
         # take if a cooperative launch is refused; None for all others.
         self.coop: tuple[int, int] | None = (plan.coop, plan.grid // plan.coop) if plan.coop else None
         self.fallback: _plan.LaunchPlan | None = None
+        # Dynamic shared memory of a plain launch (the pipelined register tier), else 0.
+        self.smem = plan.smem if plan.tier == "pipe" else 0
 
 
 _Made = tuple[dict[str, Any], _plan.LaunchPlan]
@@ -221,6 +224,19 @@ def _coop_or_loop(dev: Device, made: _Made, replan: Callable[[], _Made]) -> _Mad
     if groups < 1:
         return replan()
     return values, dataclasses.replace(plan, grid=plan.coop * groups)
+
+
+def _pipe_or_register(dev: Device, made: _Made, replan: Callable[[], _Made]) -> _Made:
+    """`made` if its plan is not of the pipelined register tier; else its grid set from the
+    blocks this device holds at once (asked once per kernel and size), or the register
+    tier's plan (`replan`) where it holds none."""
+    values, plan = made
+    if plan.tier != "pipe":
+        return made
+    cap = dev.resident_blocks(plan.kernel, plan.smem, plan.block)
+    if cap < 1:
+        return replan()
+    return values, dataclasses.replace(plan, grid=min(plan.grid, cap))
 
 
 def _with_fallback(prep: Prepared, replan: Callable[[], _Made]) -> Prepared:
@@ -277,7 +293,7 @@ def prepare_forward(
         return forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned)
 
     made = forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned, getattr(dev, "caps", None))
-    values, plan = _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan)
+    values, plan = _pipe_or_register(dev, _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan), replan)
     return _with_fallback(Prepared(dev, plan, _params.FWD.pack(values), 5), replan)
 
 
@@ -525,9 +541,9 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
         s = _streams.get(stream)
         if s is None:
             s = _stream_obj(stream)
-        err = (_drv or _load_driver()).cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, s, argv_addr, 0)[
-            0
-        ]
+        err = (_drv or _load_driver()).cuLaunchKernel(
+            prep.func, prep.grid, 1, 1, prep.block, 1, 1, prep.smem, s, argv_addr, 0
+        )[0]
         if not err:
             return
         _relaunch(prep, argv_addr, stream, err)
@@ -541,7 +557,9 @@ def _relaunch(prep: Prepared, argv_addr: int, stream: int, err: Any) -> None:
     if int(err) not in (_INVALID_CONTEXT, _INVALID_HANDLE):
         check((err,), "cuLaunchKernel")
     drv = _drv or _load_driver()
-    err2 = drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0)[0]
+    err2 = drv.cuLaunchKernel(
+        prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, prep.smem, _stream_obj(stream), argv_addr, 0
+    )[0]
     if not err2:
         return
     if stream > 2 or int(err2) != _INVALID_CONTEXT:
@@ -570,7 +588,9 @@ def _launch_in_context(prep: Prepared, argv_addr: int, stream: int) -> None:
         check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     try:
         check(
-            drv.cuLaunchKernel(prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0),
+            drv.cuLaunchKernel(
+                prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, prep.smem, _stream_obj(stream), argv_addr, 0
+            ),
             "cuLaunchKernel",
         )
     finally:

@@ -71,7 +71,8 @@ class Device:
         smem = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self.cudev))
         self.caps = _plan.DeviceCaps(self.cc, int(smem), int(self.sm_count))
         self._cluster_ready: dict[tuple[str, int, int], bool] = {}
-        self._coop_capacity: dict[tuple[str, int], int] = {}
+        self._resident: dict[tuple[str, int, int], int] = {}
+        self._coop: bool | None = None  # cooperative launches, once asked
         self._smem_set: dict[str, int] = {}
         name = check(d.cuDeviceGetName(256, self.cudev), "cuDeviceGetName")
         self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
@@ -148,42 +149,54 @@ class Device:
             ok = self._cluster_ready[key] = n > 0
             return ok
 
-    def coop_capacity(self, name: str, smem: int, block: int) -> int:
+    def resident_blocks(self, name: str, smem: int, block: int) -> int:
         """Blocks of kernel `name` (`block` threads, `smem` bytes of dynamic shared memory)
-        that a cooperative launch can hold on this device at once: the occupancy per SM
-        times the SM count, 0 where the device has no cooperative launch or refuses the size.
-        Prepares the kernel for that size; asked once per kernel and size."""
-        key = (name, smem)
-        cap = self._coop_capacity.get(key)
+        this device holds at once: the occupancy per SM times the SM count, 0 where it
+        refuses the size.  Prepares the kernel for that size (in every context); asked once
+        per kernel and size."""
+        key = (name, smem, block)
+        cap = self._resident.get(key)
         if cap is not None:
             return cap
         with _lock:
             d = _drv()
-            A = d.CUdevice_attribute
             k = self.kernel(name)
             F = d.CUfunction_attribute
             check(d.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
             try:
-                coop = check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, self.cudev))
                 f = check(d.cuKernelGetFunction(k), "cuKernelGetFunction")
                 if self._smem_set.get(name, 0) < smem:
                     check(
                         d.cuFuncSetAttribute(f, F.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                         "cuFuncSetAttribute",
                     )
+                    # (launches through the CUkernel in another context, see _core._relaunch)
+                    check(
+                        d.cuKernelSetAttribute(F.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem, k, self.cudev),
+                        "cuKernelSetAttribute",
+                    )
                     self._smem_set[name] = smem
                 per_sm = check(
                     d.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, block, smem),
                     "cuOccupancyMaxActiveBlocksPerMultiprocessor",
                 )
-                cap = int(per_sm) * int(self.sm_count) if int(coop) else 0
-            except CudaDriverError as e:  # a size this device refuses: the looped tier instead
-                log.info("cooperative launch of %s with %d bytes unavailable on %s: %s", name, smem, self.name, e)
+                cap = int(per_sm) * int(self.sm_count)
+            except CudaDriverError as e:  # a size this device refuses: another tier instead
+                log.info("blocks of %s with %d bytes unavailable on %s: %s", name, smem, self.name, e)
                 cap = 0
             finally:
                 check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
-            self._coop_capacity[key] = cap
+            self._resident[key] = cap
             return cap
+
+    def coop_capacity(self, name: str, smem: int, block: int) -> int:
+        """Blocks of kernel `name` that a cooperative launch can hold on this device at once
+        (resident_blocks), 0 where the device has no cooperative launch or refuses the size."""
+        if self._coop is None:
+            d = _drv()
+            A = d.CUdevice_attribute
+            self._coop = bool(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, self.cudev)))
+        return self.resident_blocks(name, smem, block) if self._coop else 0
 
 
 def cluster_config(grid: int, cluster: int, block: int, smem: int) -> Any:

@@ -258,6 +258,26 @@ def kernel_bwd_coop(dtype: str, reg: int = 0) -> str:
     return f"smx_bwd_coop<{_t(dtype)}, {reg}>"
 
 
+def kernel_fwd_pipe(dtype: str, mask_kind: str, nch: int) -> str:
+    return f"smx_fwd_pipe<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}>"
+
+
+def _pipe_names(dt: str, mk: str, item: int, planned: bool = False) -> list[str]:
+    """The pipelined register tier's kernels of x of `dt` with mask kind `mk`: one for each
+    whole-chunk shape of the register tier that holds its values (not the lean ones);
+    `planned`: only those `pipe_rows` takes by default."""
+    if mk not in al_mask_kinds(dt):
+        return []
+    n = CHUNK_BYTES // item
+    return [
+        kernel_fwd_pipe(dt, mk, nch)
+        for _, nch, rpt, _ in _configs(FWD_TABLE, item, wide_mask(item, mk))
+        if rpt == 1
+        and nch * n <= HELD_VALUES
+        and (not planned or any(_pipe_default(item, mk, c, nch) for c in (False, True)))
+    ]
+
+
 def all_kernel_names() -> list[str]:
     """Every kernel the package can launch, in a stable order."""
     names = []
@@ -274,6 +294,9 @@ def all_kernel_names() -> list[str]:
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
         names += [kernel_bwd_coop(dt), kernel_bwd_coop(dt, CLUSTER_REG)]
+    for dt, (_, item) in X_DTYPES.items():  # the pipelined register tier last
+        for mk in MASK_KINDS:
+            names += _pipe_names(dt, mk, item)
     return names
 
 
@@ -293,6 +316,9 @@ def packaged_kernel_names() -> list[str]:
         for mk in packaged_mask_kinds(dt):
             names += _fwd_names(dt, mk, item)
         names += _bwd_names(dt, item)
+    for dt, (_, item) in X_DTYPES.items():  # (after them: the earlier names keep their order)
+        for mk in packaged_mask_kinds(dt):
+            names += _pipe_names(dt, mk, item, planned=True)
     return names
 
 
@@ -489,6 +515,38 @@ def coop_groups(rows: int, g: int, capacity: int) -> int:
     return min(rows, capacity // g, COOP_MAX_GROUPS)
 
 
+# ----------------------------------------------------------------------------------
+# The pipelined register tier (softmax_pipe.cu): a whole-chunk register-tier shape of one
+# row per thread group on a persistent grid (the blocks the device holds at once, set at
+# launch from its occupancy), each block's next rows in flight, by asynchronous copies into
+# its shared memory, while it works on its current ones.  TODO: measured rows.
+PIPE_MIN_CC = 90
+# Values a thread of the register tier holds (SMX_HELD_VALUES in softmax_fwd.cu): shapes of
+# more are the lean kernels, which the tier does not take.
+HELD_VALUES = 32
+# Testing knob: True plans the tier for every whole-chunk shape it has a kernel for (so
+# that one GPU runs them all).  Tests set it.
+FORCE_PIPE = False
+
+
+def _pipe_default(itemsize: int, mask_kind: str, causal: bool, nch: int) -> bool:
+    """Where the tier is planned by default (measured; see above)."""
+    return causal or mask_kind != "none"
+
+
+def pipe_rows(itemsize: int, mask_kind: str, causal: bool, nch: int) -> bool:
+    """A whole-chunk forward of x of `itemsize` bytes with this mask kind (causal or not) at
+    `nch` chunks per thread takes the pipelined register tier where the device has it."""
+    if nch * (CHUNK_BYTES // itemsize) > HELD_VALUES:
+        return False
+    return FORCE_PIPE or _pipe_default(itemsize, mask_kind, causal, nch)
+
+
+def pipe_smem(nch: int, block: int, itemsize: int, mask_kind: str) -> int:
+    """Dynamic shared memory of a pipelined block: a slot per chunk of x and of the mask."""
+    return nch * block * (CHUNK_BYTES + (CHUNK_BYTES // itemsize) * MASK_ITEMSIZE[mask_kind])
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
@@ -514,6 +572,11 @@ class LaunchPlan:
         shape = f"grid {self.grid} x block {self.block}"
         if self.cluster:
             shape += f" in clusters of {self.cluster}, {self.smem} bytes of shared memory per block"
+        if self.tier == "pipe":
+            shape = (
+                f"a persistent grid of at most {self.grid} blocks (as many as the device holds at once) x block "
+                f"{self.block}, {self.smem} bytes of shared memory per block"
+            )
         if self.coop:
             shape += (
                 f" as {self.grid // self.coop} group(s) of {self.coop} co-resident blocks, "
@@ -778,6 +841,13 @@ def plan_forward(
         if plan is not None:
             return plan
     whole = whole and tier == "register"
+    pipe = whole and rpt == 1 and rows < 2**31 and caps is not None and caps.cc >= PIPE_MIN_CC
+    if pipe and pipe_rows(item, mask_kind, causal, nch):
+        smem = pipe_smem(nch, block, item, mask_kind)
+        if smem <= caps.smem_per_block - CLUSTER_SMEM_RESERVE:
+            why = f"{reason}; pipelined (the next rows in flight while a block works, sm_{caps.cc})"
+            name = kernel_fwd_pipe(dtype, mask_kind, nch)
+            return LaunchPlan(name, "pipe", _check_grid(grid), block, t, nch, rpt, vector, why, whole, smem=smem)
     name = kernel_fwd(dtype, mask_kind, nch, rpt, whole) if tier == "register" else kernel_fwd_loop(dtype, mask_kind)
     return LaunchPlan(name, tier, _check_grid(grid), block, t, nch, rpt, vector, reason, whole)
 

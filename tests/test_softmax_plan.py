@@ -285,6 +285,8 @@ def test_every_planned_row_fits_its_launch(dtype, backward, aligned):
 def test_every_kernel_name_is_reachable(monkeypatch):
     # (the coop tier's masked and backward kernels: where COOP_WHERE_IT_FITS asks for them)
     monkeypatch.setattr(_plan, "COOP_WHERE_IT_FITS", True)
+    # (the pipelined register tier's kernels of shapes it is not planned for by default)
+    monkeypatch.setattr(_plan, "FORCE_PIPE", True)
     reached = set()
     a100 = _plan.DeviceCaps(80, 166912, 108)
     for dtype in DTYPES:
@@ -311,7 +313,10 @@ def test_packaged_kernels_cover_the_common_configurations():
                 if not aligned and sk > 16384 - 16 // ITEMSIZE[dtype] + 1:
                     continue  # one chunk more than the register tier holds: the looped tier
                 for mk in ("none", "hide1", f"add_{dtype}"):
-                    assert _plan.plan_forward(4, sk, dtype, mk, True, aligned).kernel in packaged, (dtype, sk, mk)
+                    for causal in (False, True):
+                        for caps in (None, H200):  # (on the H200: the pipelined tier's kernels)
+                            k = _plan.plan_forward(4, sk, dtype, mk, True, aligned, caps, causal=causal).kernel
+                            assert k in packaged, (dtype, sk, mk, causal, caps)
                 assert _plan.plan_backward(4, sk, dtype, True, aligned).kernel in packaged
 
 
@@ -650,3 +655,57 @@ def _core_contiguous(shape):
         out.append(acc)
         acc *= n
     return tuple(reversed(out))
+
+
+# ----------------------------------------------------------------------------------
+# The pipelined register tier: whole-chunk register-tier shapes on devices of
+# PIPE_MIN_CC and newer, where `pipe_rows` takes them; the grid is what the device holds
+# (set at launch), the block and the per-thread shape are the register tier's.
+PIPE_CASES = [
+    # dtype, Sk, mask kind, causal
+    ("float16", 2048, "none", True),
+    ("bfloat16", 128, "hide1", False),
+    ("float16", 16384, "add_float16", False),
+    ("float32", 16384, "hide1", False),
+    ("float32", 1000, "add_float32", False),
+]
+
+
+@pytest.mark.parametrize("dtype,sk,mk,causal", PIPE_CASES)
+def test_pipelined_tier_takes_the_register_shape(dtype, sk, mk, causal):
+    reg = _plan.plan_forward(1000, sk, dtype, mk, True, True, None, causal=causal)
+    item = _plan.X_DTYPES[dtype][1]
+    want = _plan.pipe_rows(item, mk, causal, reg.nch)
+    plan = _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal)
+    if not want:
+        assert plan == reg
+        return
+    assert plan.tier == "pipe" and plan.kernel == _plan.kernel_fwd_pipe(dtype, mk, reg.nch), plan
+    same = ("grid", "block", "tpr_log2", "nch", "rpt", "vector", "whole")
+    assert all(getattr(plan, f) == getattr(reg, f) for f in same), (plan, reg)
+    assert plan.smem == _plan.pipe_smem(reg.nch, reg.block, item, mk) <= H200.smem_per_block
+    assert plan.kernel in _plan.all_kernel_names()
+    # older GPUs and planning without a device: the register tier
+    a100 = _plan.DeviceCaps(80, 166912, 108)
+    assert _plan.plan_forward(1000, sk, dtype, mk, True, True, a100, causal=causal) == reg
+    assert "pipe tier" in drvsoftmax.explain((1000, sk), dtype, mask_dtype=_MASK_DTYPE[mk], causal=causal, arch="sm_90")
+
+
+_MASK_DTYPE = {"none": None, "hide1": "bool", "add_float16": "float16", "add_float32": "float32"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pipelined_tier_never_takes_rows_off_the_chunk_grid_or_lean_ones(monkeypatch, dtype):
+    monkeypatch.setattr(_plan, "FORCE_PIPE", True)
+    item = _plan.X_DTYPES[dtype][1]
+    for sk in SWEEP:
+        if sk > 16384:
+            continue
+        for mk in ("none", "hide1", "hide4", f"add_{dtype}", "add_float64"):
+            for aligned in (True, False):
+                plan = _plan.plan_forward(64, sk, dtype, mk, True, aligned, H200)
+                if plan.tier != "pipe":
+                    continue
+                assert plan.whole and plan.rpt == 1 and mk in _plan.al_mask_kinds(dtype), plan
+                assert plan.nch * (16 // item) <= _plan.HELD_VALUES, plan
+                assert plan.kernel in _plan.all_kernel_names()
