@@ -519,19 +519,26 @@ def coop_groups(rows: int, g: int, capacity: int) -> int:
 # The pipelined register tier (softmax_pipe.cu): a whole-chunk register-tier shape of one
 # row per thread group on a persistent grid (the blocks the device holds at once, set at
 # launch from its occupancy), each block's next rows in flight, by asynchronous copies into
-# its shared memory, while it works on its current ones.  TODO: measured rows.
+# its shared memory, while it works on its current ones: the phases of a row (its
+# reductions, the barrier of a row of several warps) no longer leave the block without
+# loads in flight, which is what bounds the causal and the masked forwards of a block per
+# row (see ROW_OWN_BLOCK).  Built and tested on the CPU (every kernel compiles for every
+# architecture; the GPU tests in test_softmax_pipe_gpu.py force it), not yet measured on a
+# GPU: until it is, it is planned nowhere by default.  DRVSOFTMAX_FORCE_PIPE=1 (or
+# FORCE_PIPE) plans it for every whole-chunk shape it has a kernel for, on sm_90+;
+# benchmarks/pipe_rows.py times it beside the register tier.
 PIPE_MIN_CC = 90
 # Values a thread of the register tier holds (SMX_HELD_VALUES in softmax_fwd.cu): shapes of
 # more are the lean kernels, which the tier does not take.
 HELD_VALUES = 32
-# Testing knob: True plans the tier for every whole-chunk shape it has a kernel for (so
-# that one GPU runs them all).  Tests set it.
-FORCE_PIPE = False
+# Testing knob, read at import (tests set FORCE_PIPE).
+FORCE_PIPE_ENV = "DRVSOFTMAX_FORCE_PIPE"
+FORCE_PIPE = os.environ.get(FORCE_PIPE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _pipe_default(itemsize: int, mask_kind: str, causal: bool, nch: int) -> bool:
-    """Where the tier is planned by default (measured; see above)."""
-    return causal or mask_kind != "none"
+    """Where the tier is planned by default: nowhere until measured (see above)."""
+    return False
 
 
 def pipe_rows(itemsize: int, mask_kind: str, causal: bool, nch: int) -> bool:

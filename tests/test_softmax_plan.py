@@ -672,14 +672,15 @@ PIPE_CASES = [
 
 
 @pytest.mark.parametrize("dtype,sk,mk,causal", PIPE_CASES)
-def test_pipelined_tier_takes_the_register_shape(dtype, sk, mk, causal):
+def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, causal):
     reg = _plan.plan_forward(1000, sk, dtype, mk, True, True, None, causal=causal)
     item = _plan.X_DTYPES[dtype][1]
-    want = _plan.pipe_rows(item, mk, causal, reg.nch)
+    # by default (not yet measured on a GPU) the register tier's plan on the H200 too
+    assert _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal) == reg
+    assert not any(_plan.pipe_rows(item, mk, c, reg.nch) for c in (False, True))
+    monkeypatch.setattr(_plan, "FORCE_PIPE", True)
+    assert _plan.pipe_rows(item, mk, causal, reg.nch)
     plan = _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal)
-    if not want:
-        assert plan == reg
-        return
     assert plan.tier == "pipe" and plan.kernel == _plan.kernel_fwd_pipe(dtype, mk, reg.nch), plan
     same = ("grid", "block", "tpr_log2", "nch", "rpt", "vector", "whole")
     assert all(getattr(plan, f) == getattr(reg, f) for f in same), (plan, reg)
@@ -689,6 +690,13 @@ def test_pipelined_tier_takes_the_register_shape(dtype, sk, mk, causal):
     a100 = _plan.DeviceCaps(80, 166912, 108)
     assert _plan.plan_forward(1000, sk, dtype, mk, True, True, a100, causal=causal) == reg
     assert "pipe tier" in drvsoftmax.explain((1000, sk), dtype, mask_dtype=_MASK_DTYPE[mk], causal=causal, arch="sm_90")
+
+
+def test_pipelined_tier_needs_32_bit_row_maps(monkeypatch):
+    """2^31 rows or more (64-bit row maps, whose division is a call): the register tier."""
+    monkeypatch.setattr(_plan, "FORCE_PIPE", True)
+    assert _plan.plan_forward(2**31 - 1, 128, "float16", "hide1", True, True, H200).tier == "pipe"
+    assert _plan.plan_forward(2**31, 128, "float16", "hide1", True, True, H200).tier == "register"
 
 
 _MASK_DTYPE = {"none": None, "hide1": "bool", "add_float16": "float16", "add_float32": "float32"}

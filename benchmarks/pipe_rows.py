@@ -1,0 +1,148 @@
+"""The pipelined register tier beside the register tier, case by case, as % of a copy.
+
+    python3 benchmarks/pipe_rows.py [--reps N] [--only WORD ...]
+
+Needs a CUDA GPU of sm_90 or newer and PyTorch with CUDA.  For the masked, causal and
+no-mask forwards where the register tier runs a whole-chunk row shape (`_plan.pipe_rows`
+decides where the planner takes the pipelined tier by default), it prepares the same
+forward twice, once planned without the tier and once with it forced
+(`_plan.FORCE_PIPE`), checks that the two write the same bits (their arithmetic is the
+same), and prints the median time of each over three alternating rounds, as % of a
+device-to-device copy timed in the same run (GB/s over x, the mask at its own size and y;
+a causal forward counts the chunks of x holding a visible key), with each kernel's
+registers and blocks per SM.  Prints only; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO, REPO / "benchmarks"):  # drvsoftmax, and long_rows' timing
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+# name, x shape, x dtype, mask ("bool", a float dtype name or None), causal
+CASES = [
+    ("causal f16 8x32x2048x2048", (8, 32, 2048, 2048), "float16", None, True),
+    ("bool f16 2x16x512x16384", (2, 16, 512, 16384), "float16", "bool", False),
+    ("bool bf16 2x16x512x16384", (2, 16, 512, 16384), "bfloat16", "bool", False),
+    ("add f16 2x16x512x16384", (2, 16, 512, 16384), "float16", "float16", False),
+    ("add f32 2x16x512x16384", (2, 16, 512, 16384), "float32", "float32", False),
+    ("bool f32 2x16x512x16384", (2, 16, 512, 16384), "float32", "bool", False),
+    ("bool f16 2x32x4096x4096", (2, 32, 4096, 4096), "float16", "bool", False),
+    ("add bf16 2x32x4096x4096", (2, 32, 4096, 4096), "bfloat16", "bfloat16", False),
+    ("add f32 2x32x4096x4096", (2, 32, 4096, 4096), "float32", "float32", False),
+    ("bool f16 8x32x2048x2048", (8, 32, 2048, 2048), "float16", "bool", False),
+    ("add f16 8x32x2048x2048", (8, 32, 2048, 2048), "float16", "float16", False),
+    ("bool f16 256x12x128x128", (256, 12, 128, 128), "float16", "bool", False),
+    ("add f16 16x16x512x1000", (16, 16, 512, 1000), "float16", "float16", False),
+    ("none f32 16384x16384", (16384, 16384), "float32", None, False),
+    ("none f32 32768x8192", (32768, 8192), "float32", None, False),
+    ("none f32 262144x1024", (262144, 1024), "float32", None, False),
+    ("none f16 524288x1024", (524288, 1024), "float16", None, False),
+]
+
+
+def _pct(nbytes: float, times: list[float], ceil: float) -> str:
+    return " ".join(f"{nbytes / t / 1e6 / ceil * 100:5.1f}" for t in times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=25, help="timed calls per median (default 25)")
+    ap.add_argument("--only", nargs="*", default=[], help="cases whose name holds one of these words")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from drvsoftmax import _core, _driver, _plan
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = _driver.device(torch.cuda.current_device())
+    if dev.cc < _plan.PIPE_MIN_CC:
+        print(f"the pipelined register tier needs sm_{_plan.PIPE_MIN_CC}+, this GPU is {dev.arch}", file=sys.stderr)
+        return 2
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+    from long_rows import _copy_ceiling, _median_ms
+
+    def med(fn) -> float:
+        return _median_ms(torch, fn, args.reps)
+
+    ceil = _copy_ceiling(torch, args.reps)
+    print(f"{dev.name}, copy ceiling {ceil:.0f} GB/s", flush=True)
+
+    def op(t) -> _core.Operand:
+        return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
+
+    def prepared(x, mask, causal, y, force: bool) -> _core.Prepared:
+        saved = _plan.PIPE_MIN_CC, _plan.FORCE_PIPE
+        _plan.PIPE_MIN_CC, _plan.FORCE_PIPE = (saved[0], True) if force else (10**9, False)
+        try:
+            m = None if mask is None else op(mask)
+            return _core.prepare_forward(dev, op(x), op(y), m, None, causal, 0.125, True, True)
+        finally:
+            _plan.PIPE_MIN_CC, _plan.FORCE_PIPE = saved
+
+    def regs(prep: _core.Prepared) -> str:
+        from cuda.bindings import driver as drv
+
+        A = drv.CUfunction_attribute
+        r = _driver.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, prep.func), "cuFuncGetAttribute")
+        per_sm = _driver.check(
+            drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(prep.func, prep.block, prep.smem), "cuOccupancy"
+        )
+        return f"{r} regs, {per_sm} blocks/SM"
+
+    gen = torch.Generator(device="cuda").manual_seed(20261203)
+    for name, shape, xdt, mk, causal in CASES:
+        if args.only and not any(w in name for w in args.only):
+            continue
+        x = torch.randn(shape, device="cuda", dtype=dt[xdt], generator=gen) * 3
+        mask = None
+        mshape = (shape[0], 1, *shape[2:]) if len(shape) == 4 else shape
+        if mk == "bool":
+            mask = torch.rand(mshape, device="cuda", generator=gen) < 0.2
+        elif mk is not None:
+            mask = torch.randn(mshape, device="cuda", generator=gen).to(dt[mk])
+        y1, y2 = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        reg = prepared(x, mask, causal, y1, False)
+        pipe = prepared(x, mask, causal, y2, True)
+        if pipe.plan.tier != "pipe":
+            print(f"{name}: no pipelined plan ({pipe.plan.describe()})")
+            continue
+        mp = 0 if mask is None else mask.data_ptr()
+        s = torch.cuda.current_stream().cuda_stream
+        run_reg = functools.partial(_core.launch, reg, x.data_ptr(), y1.data_ptr(), mp, 0, s, True)
+        run_pipe = functools.partial(_core.launch, pipe, x.data_ptr(), y2.data_ptr(), mp, 0, s, True)
+        run_reg()
+        run_pipe()
+        torch.cuda.synchronize()
+        it = torch.int16 if x.element_size() == 2 else torch.int32
+        same = torch.equal(y1.view(it), y2.view(it))
+        nbytes = 2 * x.nbytes + (0 if mask is None else mask.nbytes)
+        if causal:
+            sq, sk, e = shape[-2], shape[-1], 16 // x.element_size()
+            vis = sum(min(sk, -(-(i + 1) // e) * e) for i in range(sq)) / (sq * sk)
+            nbytes = x.nbytes * (1 + vis)
+        t_reg, t_pipe = [], []
+        for _ in range(3):
+            t_reg.append(med(run_reg))
+            t_pipe.append(med(run_pipe))
+        print(f"{name}: same bits {same}")
+        print(f"   register {_pct(nbytes, t_reg, ceil)} % ({min(t_reg):.4f} ms; {reg.plan.kernel}, {regs(reg)})")
+        print(f"   pipe     {_pct(nbytes, t_pipe, ceil)} % ({min(t_pipe):.4f} ms; {regs(pipe)}, grid {pipe.grid})")
+        sys.stdout.flush()
+        x = mask = y1 = y2 = None
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
