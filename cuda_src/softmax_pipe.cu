@@ -12,6 +12,9 @@
 //          into registers, raw, as smx_fwd's LOAD leaves them; then the next group's LOAD
 //          into the same slots at once, in flight through everything below;
 //   then the register tier's steps (smx_fwd_body: VALUES, the row's pair, STORE).
+// TAKE's shared loads have read a slot before the next LOAD's copy into it lands: the copy
+// writes its slot only when its global read returns, hundreds of cycles after the shared
+// loads issued before it (a warp's shared-memory accesses are performed in order).
 // The exchange of a row's warps goes through `red`, two sets used in turn: a warp can be a
 // group ahead of another, never two (each group passes one barrier of the whole block).
 // Whole-chunk rows only (AL; a slot never holds a partial chunk), 32-bit row maps only
@@ -33,14 +36,6 @@ template <int B> __device__ __forceinline__ void smx_lds_bytes(Bytes<B>& d, smx_
   }
 }
 
-__device__ __forceinline__ void smx_pipe_cp16(smx_u32 dst, const void* src) {
-#if defined(SMX_PIPE_NOHINT) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-#else
-  smx_cp16a(dst, src);
-#endif
-}
-
 // LOAD of one row group: this thread's chunks of its row, raw, to its slots (one commit group).
 template <typename T, class M, int NCH>
 __device__ __forceinline__ void smx_pipe_load(const FwdRow<T, M>& r, int lane, int tpr, smx_u32 sx, smx_u32 sm,
@@ -50,7 +45,7 @@ __device__ __forceinline__ void smx_pipe_load(const FwdRow<T, M>& r, int lane, i
   for (int k = 0; k < NCH; ++k) {
     const int j0 = (lane + k * tpr) * N;
     if (j0 < r.lim) {
-      smx_pipe_cp16(sx + k * stx, r.x + j0);
+      smx_cp16a(sx + k * stx, r.x + j0);
       if (M::PRESENT) smx_cp_bytes_a<MB>(sm + k * stm, r.m + j0);
     }
   }
@@ -80,29 +75,18 @@ smx_fwd_pipe(const T* __restrict__ x, T* __restrict__ y, const void* __restrict_
     FwdRow<T, M> rw[1] = {smx_fwd_row<T, M, true, true>(x, y, mask, klen, p, row)};
     const bool act[1] = {row < p.rows};
     const FwdRow<T, M> nx = smx_fwd_row<T, M, true, true>(x, y, mask, klen, p, row + (smx_i64)gridDim.x * rpb);
-#ifdef SMX_PIPE_DB
-    // (two sets of slots: the next group's LOAD before waiting for this one's)
-    const smx_u32 set = (smx_u32)(NCH * (stx + stm));
-    smx_pipe_load<T, M, NCH>(nx, lane, tpr, sx + (it ^ 1) * set, sm + (it ^ 1) * set, stx, stm);
-    smx_cp_wait<1>();
-    const smx_u32 cur = it * set;
-#else
     smx_cp_wait<0>();
-    const smx_u32 cur = 0;
-#endif
     Chunk<T> cx[1][NCH];
     MaskChunk<M, N> cm[1][NCH];
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       Bytes<16> b;
-      smx_lds_bytes<16>(b, sx + cur + k * stx);
+      smx_lds_bytes<16>(b, sx + k * stx);
 #pragma unroll
       for (int i = 0; i < 4; ++i) cx[0][k].w[i] = b.w[i];
-      if (M::PRESENT) smx_lds_bytes<MB>(cm[0][k].b, sm + cur + k * stm);
+      if (M::PRESENT) smx_lds_bytes<MB>(cm[0][k].b, sm + k * stm);
     }
-#ifndef SMX_PIPE_DB
     smx_pipe_load<T, M, NCH>(nx, lane, tpr, sx, sm, stx, stm);
-#endif
     smx_fwd_body<T, M, NCH, 1, true>(cx, cm, rw, act, lane, tpr, p, red[it]);
   }
 }

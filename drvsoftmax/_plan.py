@@ -274,7 +274,7 @@ def _pipe_names(dt: str, mk: str, item: int, planned: bool = False) -> list[str]
         for _, nch, rpt, _ in _configs(FWD_TABLE, item, wide_mask(item, mk))
         if rpt == 1
         and nch * n <= HELD_VALUES
-        and (not planned or any(_pipe_default(item, mk, c, nch) for c in (False, True)))
+        and (not planned or any(_pipe_default(item, mk, c, nch, MAX_BLOCK) for c in (False, True)))
     ]
 
 
@@ -522,11 +522,22 @@ def coop_groups(rows: int, g: int, capacity: int) -> int:
 # its shared memory, while it works on its current ones: the phases of a row (its
 # reductions, the barrier of a row of several warps) no longer leave the block without
 # loads in flight, which is what bounds the causal and the masked forwards of a block per
-# row (see ROW_OWN_BLOCK).  Built and tested on the CPU (every kernel compiles for every
-# architecture; the GPU tests in test_softmax_pipe_gpu.py force it), not yet measured on a
-# GPU: until it is, it is planned nowhere by default.  DRVSOFTMAX_FORCE_PIPE=1 (or
-# FORCE_PIPE) plans it for every whole-chunk shape it has a kernel for, on sm_90+;
-# benchmarks/pipe_rows.py times it beside the register tier.
+# row (see ROW_OWN_BLOCK).  Measured on the H200 beside the register tier's launch of the
+# same forward (benchmarks/pipe_rows.py, % of copy, three rounds, same bits), it wins only
+# where the register tier leaves one block per SM: fp32 x with an fp32 additive mask at
+# 16384 keys (8 chunks x 512 threads, 104 registers) 72.8 / 72.8 / 72.9 -> 88.5 / 88.6 /
+# 89.0.  Everywhere else it loses or ties, its loop costing registers (the next group's row,
+# the slots' addresses) and blocks per SM: causal fp16 [8,32,2048,2048] 85.7 -> 76.4 (0.90
+# -> 1.01 ms; 54 -> 63 registers, 18 -> 16 blocks per SM); bool masks fp16 2048 97.9 -> 81.0,
+# 4096 92.9 -> 81.2, 16384 84.2 -> 82.3 (bf16 83.3 -> 83.3), fp32 16384 91.6 -> 91.8 (two
+# blocks per SM -> one); additive fp16 1000 92.5 -> 73.6, 2048 93.3 -> 76.8, 16384 85.2 ->
+# 81.2, bf16 4096 92.3 -> 78.8, fp32 4096 93.1 -> 83.0 (four blocks per SM); bool fp16 128
+# keys 75.5 -> 70.5; without a mask fp32 1024 97.9 -> 88.5, 8192 99.2 -> 87.8, 16384 97.1 ->
+# 90.2, fp16 1024 98.2 -> 90.0.  (A variant with two sets of slots, the next group's LOAD
+# issued before waiting for this one's, and one without the copies' L2 prefetch hint were
+# built for that run and not timed.)  So the planner takes the tier for the rows of
+# `_pipe_default` only; DRVSOFTMAX_FORCE_PIPE=1 (or FORCE_PIPE) plans it for every
+# whole-chunk shape it has a kernel for, on sm_90+ (the GPU tests force it).
 PIPE_MIN_CC = 90
 # Values a thread of the register tier holds (SMX_HELD_VALUES in softmax_fwd.cu): shapes of
 # more are the lean kernels, which the tier does not take.
@@ -536,17 +547,20 @@ FORCE_PIPE_ENV = "DRVSOFTMAX_FORCE_PIPE"
 FORCE_PIPE = os.environ.get(FORCE_PIPE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _pipe_default(itemsize: int, mask_kind: str, causal: bool, nch: int) -> bool:
-    """Where the tier is planned by default: nowhere until measured (see above)."""
-    return False
+def _pipe_default(itemsize: int, mask_kind: str, causal: bool, nch: int, threads: int) -> bool:
+    """Where the tier is planned by default: fp32 rows with a wide mask (`wide_mask`) at 8
+    chunks per thread in a block of more than 256 threads, which the register tier's
+    kernel (104 registers) runs one block per SM (measured: see above)."""
+    return wide_mask(itemsize, mask_kind) and nch == 8 and threads > 256
 
 
-def pipe_rows(itemsize: int, mask_kind: str, causal: bool, nch: int) -> bool:
+def pipe_rows(itemsize: int, mask_kind: str, causal: bool, nch: int, threads: int) -> bool:
     """A whole-chunk forward of x of `itemsize` bytes with this mask kind (causal or not) at
-    `nch` chunks per thread takes the pipelined register tier where the device has it."""
+    `nch` chunks per thread, rows of `threads` threads, takes the pipelined register tier
+    where the device has it."""
     if nch * (CHUNK_BYTES // itemsize) > HELD_VALUES:
         return False
-    return FORCE_PIPE or _pipe_default(itemsize, mask_kind, causal, nch)
+    return FORCE_PIPE or _pipe_default(itemsize, mask_kind, causal, nch, threads)
 
 
 def pipe_smem(nch: int, block: int, itemsize: int, mask_kind: str) -> int:
@@ -848,8 +862,8 @@ def plan_forward(
         if plan is not None:
             return plan
     whole = whole and tier == "register"
-    pipe = whole and rpt == 1 and rows < 2**31 and caps is not None and caps.cc >= PIPE_MIN_CC
-    if pipe and pipe_rows(item, mask_kind, causal, nch):
+    pipe = whole and rpt == 1 and rows < 2**31 and pipe_rows(item, mask_kind, causal, nch, min(1 << t, block))
+    if pipe and caps is not None and caps.cc >= PIPE_MIN_CC:
         smem = pipe_smem(nch, block, item, mask_kind)
         if smem <= caps.smem_per_block - CLUSTER_SMEM_RESERVE:
             why = f"{reason}; pipelined (the next rows in flight while a block works, sm_{caps.cc})"

@@ -160,3 +160,11 @@ def test_scores_that_make_rows_nan_and_empty():
     assert_matches(_np(out), ref, "float16", "nan/inf/empty rows")
     assert torch.isnan(out[0, 0, 3]).all() and torch.isnan(out[1, 2, 5]).all()
     assert (out[:, :, 7] == 0).all()
+
+
+def test_planned_by_default_where_the_register_tier_holds_one_block_per_sm(monkeypatch):
+    """Without the knob: fp32 rows of 16384 keys with an fp32 additive mask (and causal)."""
+    monkeypatch.setattr(_plan, "FORCE_PIPE", False)
+    _forget()
+    _check((2, 3, 41, 16384), "float32", "add", False, False)
+    _check((2, 3, 41, 12000), "float32", "add", True, True)

@@ -662,30 +662,37 @@ def _core_contiguous(shape):
 # PIPE_MIN_CC and newer, where `pipe_rows` takes them; the grid is what the device holds
 # (set at launch), the block and the per-thread shape are the register tier's.
 PIPE_CASES = [
-    # dtype, Sk, mask kind, causal
-    ("float16", 2048, "none", True),
-    ("bfloat16", 128, "hide1", False),
-    ("float16", 16384, "add_float16", False),
-    ("float32", 16384, "hide1", False),
-    ("float32", 1000, "add_float32", False),
+    # dtype, Sk, mask kind, causal, planned by default on the H200
+    ("float16", 2048, "none", True, False),
+    ("bfloat16", 128, "hide1", False, False),
+    ("float16", 16384, "add_float16", False, False),
+    ("float32", 16384, "hide1", False, False),
+    ("float32", 1000, "add_float32", False, False),
+    ("float32", 8192, "add_float32", False, False),  # 256 threads: two blocks per SM
+    ("float32", 8196, "add_float32", False, True),  # 264 threads in a block of 288: one block per SM
+    ("float32", 16384, "add_float32", False, True),
+    ("float32", 16384, "add_float32", True, True),
 ]
 
 
-@pytest.mark.parametrize("dtype,sk,mk,causal", PIPE_CASES)
-def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, causal):
+@pytest.mark.parametrize("dtype,sk,mk,causal,default", PIPE_CASES)
+def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, causal, default):
     reg = _plan.plan_forward(1000, sk, dtype, mk, True, True, None, causal=causal)
     item = _plan.X_DTYPES[dtype][1]
-    # by default (not yet measured on a GPU) the register tier's plan on the H200 too
-    assert _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal) == reg
-    assert not any(_plan.pipe_rows(item, mk, c, reg.nch) for c in (False, True))
-    monkeypatch.setattr(_plan, "FORCE_PIPE", True)
-    assert _plan.pipe_rows(item, mk, causal, reg.nch)
+    assert _plan.pipe_rows(item, mk, causal, reg.nch, reg.tpr) == default
     plan = _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal)
+    if not default:
+        assert plan == reg
+        monkeypatch.setattr(_plan, "FORCE_PIPE", True)
+        assert _plan.pipe_rows(item, mk, causal, reg.nch, reg.tpr)
+        plan = _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal)
     assert plan.tier == "pipe" and plan.kernel == _plan.kernel_fwd_pipe(dtype, mk, reg.nch), plan
     same = ("grid", "block", "tpr_log2", "nch", "rpt", "vector", "whole")
     assert all(getattr(plan, f) == getattr(reg, f) for f in same), (plan, reg)
     assert plan.smem == _plan.pipe_smem(reg.nch, reg.block, item, mk) <= H200.smem_per_block
     assert plan.kernel in _plan.all_kernel_names()
+    if default:  # (a configuration Transformers call: in the wheel)
+        assert plan.kernel in _plan.packaged_kernel_names()
     # older GPUs and planning without a device: the register tier
     a100 = _plan.DeviceCaps(80, 166912, 108)
     assert _plan.plan_forward(1000, sk, dtype, mk, True, True, a100, causal=causal) == reg
@@ -697,6 +704,8 @@ def test_pipelined_tier_needs_32_bit_row_maps(monkeypatch):
     monkeypatch.setattr(_plan, "FORCE_PIPE", True)
     assert _plan.plan_forward(2**31 - 1, 128, "float16", "hide1", True, True, H200).tier == "pipe"
     assert _plan.plan_forward(2**31, 128, "float16", "hide1", True, True, H200).tier == "register"
+    monkeypatch.setattr(_plan, "FORCE_PIPE", False)
+    assert _plan.plan_forward(131071, 16384, "float32", "add_float32", True, True, H200).tier == "pipe"
 
 
 _MASK_DTYPE = {"none": None, "hide1": "bool", "add_float16": "float16", "add_float32": "float32"}

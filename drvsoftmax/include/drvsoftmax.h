@@ -371,7 +371,7 @@ static inline int smx_al_mask_kind(int dtype, int mask_kind) {
 // plan) takes the parameters, block and arguments of smx_fwd<T, M, NCH, 1, true>, any grid of
 // at most the row groups (a persistent grid: the blocks the device holds at once), and
 // NCH * block * (16 + 16 / sizeof(T) * mask element bytes) bytes of dynamic shared memory.
-#define SMX_NUM_PACKAGED_KERNELS 58
+#define SMX_NUM_PACKAGED_KERNELS 59
 static inline const char* smx_packaged_kernel(int i) {
   static const char* const k[SMX_NUM_PACKAGED_KERNELS] = {
       "smx_fwd<smx_f16, MaskNone, 2, 1, false>",
@@ -432,6 +432,7 @@ static inline const char* smx_packaged_kernel(int i) {
       "smx_bwd<float, 2, 2, true>",
       "smx_bwd<float, 4, 1, true>",
       "smx_bwd<float, 8, 1, true>",
+      "smx_fwd_pipe<float, MaskAdd<float>, 8>",
   };
   return i >= 0 && i < SMX_NUM_PACKAGED_KERNELS ? k[i] : (const char*)0;
 }
