@@ -2,9 +2,9 @@
 
     python3 benchmarks/pipe_rows.py [--reps N] [--only WORD ...]
 
-Needs a CUDA GPU of sm_90 or newer and PyTorch with CUDA.  For the masked, causal and
-no-mask forwards where the register tier runs a whole-chunk row shape (`_plan.pipe_rows`
-decides where the planner takes the pipelined tier by default), it prepares the same
+Needs a CUDA GPU of sm_90 or newer and PyTorch with CUDA.  For the rows the tier's kernels
+take (fp32 x with an fp32 additive mask, 8 chunks per thread; `_plan.pipe_rows` decides
+where the planner takes the tier by default: rows of more than 256 threads), it prepares the same
 forward twice, once planned without the tier and once with it forced
 (`_plan.FORCE_PIPE`), checks that the two write the same bits (their arithmetic is the
 same), and prints the median time of each over three alternating rounds, as % of a
@@ -27,23 +27,12 @@ for _p in (REPO, REPO / "benchmarks"):  # drvsoftmax, and long_rows' timing
 
 # name, x shape, x dtype, mask ("bool", a float dtype name or None), causal
 CASES = [
-    ("causal f16 8x32x2048x2048", (8, 32, 2048, 2048), "float16", None, True),
-    ("bool f16 2x16x512x16384", (2, 16, 512, 16384), "float16", "bool", False),
-    ("bool bf16 2x16x512x16384", (2, 16, 512, 16384), "bfloat16", "bool", False),
-    ("add f16 2x16x512x16384", (2, 16, 512, 16384), "float16", "float16", False),
     ("add f32 2x16x512x16384", (2, 16, 512, 16384), "float32", "float32", False),
-    ("bool f32 2x16x512x16384", (2, 16, 512, 16384), "float32", "bool", False),
-    ("bool f16 2x32x4096x4096", (2, 32, 4096, 4096), "float16", "bool", False),
-    ("add bf16 2x32x4096x4096", (2, 32, 4096, 4096), "bfloat16", "bfloat16", False),
+    ("add f32 causal 2x16x512x16384", (2, 16, 512, 16384), "float32", "float32", True),
+    ("add f32 2x16x512x12000", (2, 16, 512, 12000), "float32", "float32", False),
+    ("add f32 4x32x1024x8192", (4, 32, 1024, 8192), "float32", "float32", False),
     ("add f32 2x32x4096x4096", (2, 32, 4096, 4096), "float32", "float32", False),
-    ("bool f16 8x32x2048x2048", (8, 32, 2048, 2048), "float16", "bool", False),
-    ("add f16 8x32x2048x2048", (8, 32, 2048, 2048), "float16", "float16", False),
-    ("bool f16 256x12x128x128", (256, 12, 128, 128), "float16", "bool", False),
-    ("add f16 16x16x512x1000", (16, 16, 512, 1000), "float16", "float16", False),
-    ("none f32 16384x16384", (16384, 16384), "float32", None, False),
-    ("none f32 32768x8192", (32768, 8192), "float32", None, False),
-    ("none f32 262144x1024", (262144, 1024), "float32", None, False),
-    ("none f16 524288x1024", (524288, 1024), "float16", None, False),
+    ("add f32 16x16x512x1000", (16, 16, 512, 1000), "float32", "float32", False),
 ]
 
 

@@ -262,19 +262,15 @@ def kernel_fwd_pipe(dtype: str, mask_kind: str, nch: int) -> str:
     return f"smx_fwd_pipe<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}>"
 
 
-def _pipe_names(dt: str, mk: str, item: int, planned: bool = False) -> list[str]:
-    """The pipelined register tier's kernels of x of `dt` with mask kind `mk`: one for each
-    whole-chunk shape of the register tier that holds its values (not the lean ones);
-    `planned`: only those `pipe_rows` takes by default."""
+def _pipe_names(dt: str, mk: str, item: int) -> list[str]:
+    """The pipelined register tier's kernels of x of `dt` with mask kind `mk` (whole-chunk
+    rows: the mask kinds of `al_mask_kinds`)."""
     if mk not in al_mask_kinds(dt):
         return []
-    n = CHUNK_BYTES // item
     return [
         kernel_fwd_pipe(dt, mk, nch)
         for _, nch, rpt, _ in _configs(FWD_TABLE, item, wide_mask(item, mk))
-        if rpt == 1
-        and nch * n <= HELD_VALUES
-        and (not planned or any(_pipe_default(item, mk, c, nch, MAX_BLOCK) for c in (False, True)))
+        if rpt == 1 and _pipe_kernel(item, mk, nch)
     ]
 
 
@@ -318,7 +314,7 @@ def packaged_kernel_names() -> list[str]:
         names += _bwd_names(dt, item)
     for dt, (_, item) in X_DTYPES.items():  # (after them: the earlier names keep their order)
         for mk in packaged_mask_kinds(dt):
-            names += _pipe_names(dt, mk, item, planned=True)
+            names += _pipe_names(dt, mk, item)
     return names
 
 
@@ -536,31 +532,35 @@ def coop_groups(rows: int, g: int, capacity: int) -> int:
 # 90.2, fp16 1024 98.2 -> 90.0.  (A variant with two sets of slots, the next group's LOAD
 # issued before waiting for this one's, and one without the copies' L2 prefetch hint were
 # built for that run and not timed.)  So the planner takes the tier for the rows of
-# `_pipe_default` only; DRVSOFTMAX_FORCE_PIPE=1 (or FORCE_PIPE) plans it for every
-# whole-chunk shape it has a kernel for, on sm_90+ (the GPU tests force it).
+# `_pipe_default` only, and has kernels for those rows' kind alone (fp32 x with an fp32
+# additive mask, 8 chunks per thread: with NVRTC 13.0 and 13.5 the kernels of the other
+# shapes spill under ptxas's occupancy caps); DRVSOFTMAX_FORCE_PIPE=1 (or FORCE_PIPE) plans
+# it for every row its kernels take, on sm_90+ (rows of up to 256 threads too).
 PIPE_MIN_CC = 90
-# Values a thread of the register tier holds (SMX_HELD_VALUES in softmax_fwd.cu): shapes of
-# more are the lean kernels, which the tier does not take.
-HELD_VALUES = 32
 # Testing knob, read at import (tests set FORCE_PIPE).
 FORCE_PIPE_ENV = "DRVSOFTMAX_FORCE_PIPE"
 FORCE_PIPE = os.environ.get(FORCE_PIPE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _pipe_kernel(itemsize: int, mask_kind: str, nch: int) -> bool:
+    """The tier has a kernel for these rows: fp32 x with a wide mask (`wide_mask`; of the
+    whole-chunk kinds, an fp32 additive one) at 8 chunks per thread."""
+    return wide_mask(itemsize, mask_kind) and nch == 8
+
+
 def _pipe_default(itemsize: int, mask_kind: str, causal: bool, nch: int, threads: int) -> bool:
-    """Where the tier is planned by default: fp32 rows with a wide mask (`wide_mask`) at 8
-    chunks per thread in a block of more than 256 threads, which the register tier's
-    kernel (104 registers) runs one block per SM (measured: see above)."""
-    return wide_mask(itemsize, mask_kind) and nch == 8 and threads > 256
+    """Where the tier is planned by default: its rows in a block of more than 256 threads,
+    which the register tier's kernel (104 registers) runs one block per SM (see above)."""
+    return _pipe_kernel(itemsize, mask_kind, nch) and threads > 256
 
 
 def pipe_rows(itemsize: int, mask_kind: str, causal: bool, nch: int, threads: int) -> bool:
     """A whole-chunk forward of x of `itemsize` bytes with this mask kind (causal or not) at
     `nch` chunks per thread, rows of `threads` threads, takes the pipelined register tier
-    where the device has it."""
-    if nch * (CHUNK_BYTES // itemsize) > HELD_VALUES:
-        return False
-    return FORCE_PIPE or _pipe_default(itemsize, mask_kind, causal, nch, threads)
+    where the device has it (FORCE_PIPE: wherever the tier has a kernel for the rows)."""
+    if FORCE_PIPE:
+        return _pipe_kernel(itemsize, mask_kind, nch)
+    return _pipe_default(itemsize, mask_kind, causal, nch, threads)
 
 
 def pipe_smem(nch: int, block: int, itemsize: int, mask_kind: str) -> int:

@@ -210,32 +210,6 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (32, 56, 52),
     },
 }
-# The pipelined register tier (softmax_pipe.cu): the register tier's steps inside a loop over
-# row groups, a few more values live across it (the group, the slots' addresses).  Under
-# ptxas's occupancy caps (40 registers for the fp32 rows within a warp, 64 elsewhere) a few
-# of its kernels spill 4-16 bytes.
-_PIPE_LOCAL_MEMORY = {
-    "sm_75": {
-        "smx_fwd_pipe<smx_f16, MaskAdd<smx_f16>, 4>": (16, 12, 12),
-        "smx_fwd_pipe<smx_bf16, MaskAdd<smx_bf16>, 4>": (16, 12, 12),
-    },
-    "sm_80": {
-        "smx_fwd_pipe<float, MaskNone, 2>": (8, 8, 8),
-        "smx_fwd_pipe<float, MaskHide<smx_u8>, 2>": (16, 16, 16),
-        "smx_fwd_pipe<float, MaskAdd<float>, 2>": (8, 8, 8),
-    },
-    "sm_90": {
-        "smx_fwd_pipe<float, MaskNone, 2>": (8, 8, 8),
-        "smx_fwd_pipe<float, MaskHide<smx_u8>, 2>": (16, 16, 16),
-        "smx_fwd_pipe<float, MaskAdd<float>, 2>": (8, 8, 8),
-    },
-    "sm_120": {
-        "smx_fwd_pipe<float, MaskNone, 4>": (8, 4, 4),
-        "smx_fwd_pipe<float, MaskNone, 2>": (8, 4, 4),
-    },
-}
-for _arch, _known in _PIPE_LOCAL_MEMORY.items():
-    KNOWN_LOCAL_MEMORY[_arch] = {**KNOWN_LOCAL_MEMORY.get(_arch, {}), **_known}
 
 
 def _check_no_spills(img, arch, known=None):

@@ -662,21 +662,23 @@ def _core_contiguous(shape):
 # PIPE_MIN_CC and newer, where `pipe_rows` takes them; the grid is what the device holds
 # (set at launch), the block and the per-thread shape are the register tier's.
 PIPE_CASES = [
-    # dtype, Sk, mask kind, causal, planned by default on the H200
-    ("float16", 2048, "none", True, False),
-    ("bfloat16", 128, "hide1", False, False),
-    ("float16", 16384, "add_float16", False, False),
-    ("float32", 16384, "hide1", False, False),
-    ("float32", 1000, "add_float32", False, False),
-    ("float32", 8192, "add_float32", False, False),  # 256 threads: two blocks per SM
-    ("float32", 8196, "add_float32", False, True),  # 264 threads in a block of 288: one block per SM
-    ("float32", 16384, "add_float32", False, True),
-    ("float32", 16384, "add_float32", True, True),
+    # dtype, Sk, mask kind, causal, planned by default on the H200, with FORCE_PIPE
+    ("float16", 2048, "none", True, False, False),
+    ("bfloat16", 128, "hide1", False, False, False),
+    ("float16", 16384, "add_float16", False, False, False),
+    ("float32", 16384, "hide1", False, False, False),
+    ("float32", 256, "add_float32", False, False, False),  # 2 chunks per thread: no kernel
+    ("float32", 1000, "add_float32", False, False, True),  # 8 chunks x 32 threads, rows within a warp
+    ("float32", 4096, "add_float32", False, False, True),  # 128 threads: four blocks per SM
+    ("float32", 8192, "add_float32", False, False, True),  # 256 threads: two blocks per SM
+    ("float32", 8196, "add_float32", False, True, True),  # 264 threads in a block of 288: one per SM
+    ("float32", 16384, "add_float32", False, True, True),
+    ("float32", 16384, "add_float32", True, True, True),
 ]
 
 
-@pytest.mark.parametrize("dtype,sk,mk,causal,default", PIPE_CASES)
-def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, causal, default):
+@pytest.mark.parametrize("dtype,sk,mk,causal,default,forced", PIPE_CASES)
+def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, causal, default, forced):
     reg = _plan.plan_forward(1000, sk, dtype, mk, True, True, None, causal=causal)
     item = _plan.X_DTYPES[dtype][1]
     assert _plan.pipe_rows(item, mk, causal, reg.nch, reg.tpr) == default
@@ -684,15 +686,16 @@ def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, cau
     if not default:
         assert plan == reg
         monkeypatch.setattr(_plan, "FORCE_PIPE", True)
-        assert _plan.pipe_rows(item, mk, causal, reg.nch, reg.tpr)
+        assert _plan.pipe_rows(item, mk, causal, reg.nch, reg.tpr) == forced
         plan = _plan.plan_forward(1000, sk, dtype, mk, True, True, H200, causal=causal)
+        if not forced:
+            assert plan == reg
+            return
     assert plan.tier == "pipe" and plan.kernel == _plan.kernel_fwd_pipe(dtype, mk, reg.nch), plan
     same = ("grid", "block", "tpr_log2", "nch", "rpt", "vector", "whole")
     assert all(getattr(plan, f) == getattr(reg, f) for f in same), (plan, reg)
     assert plan.smem == _plan.pipe_smem(reg.nch, reg.block, item, mk) <= H200.smem_per_block
-    assert plan.kernel in _plan.all_kernel_names()
-    if default:  # (a configuration Transformers call: in the wheel)
-        assert plan.kernel in _plan.packaged_kernel_names()
+    assert plan.kernel in _plan.all_kernel_names() and plan.kernel in _plan.packaged_kernel_names()
     # older GPUs and planning without a device: the register tier
     a100 = _plan.DeviceCaps(80, 166912, 108)
     assert _plan.plan_forward(1000, sk, dtype, mk, True, True, a100, causal=causal) == reg
@@ -702,10 +705,9 @@ def test_pipelined_tier_takes_the_register_shape(monkeypatch, dtype, sk, mk, cau
 def test_pipelined_tier_needs_32_bit_row_maps(monkeypatch):
     """2^31 rows or more (64-bit row maps, whose division is a call): the register tier."""
     monkeypatch.setattr(_plan, "FORCE_PIPE", True)
-    assert _plan.plan_forward(2**31 - 1, 128, "float16", "hide1", True, True, H200).tier == "pipe"
-    assert _plan.plan_forward(2**31, 128, "float16", "hide1", True, True, H200).tier == "register"
-    monkeypatch.setattr(_plan, "FORCE_PIPE", False)
-    assert _plan.plan_forward(131071, 16384, "float32", "add_float32", True, True, H200).tier == "pipe"
+    assert _plan.plan_forward(2**31 - 1, 1000, "float32", "add_float32", True, True, H200).tier == "pipe"
+    assert _plan.plan_forward(2**31, 1000, "float32", "add_float32", True, True, H200).tier == "register"
+    assert _plan.plan_forward(2**27, 16384, "float32", "add_float32", True, True, H200).tier == "pipe"
 
 
 _MASK_DTYPE = {"none": None, "hide1": "bool", "add_float16": "float16", "add_float32": "float32"}
@@ -724,5 +726,5 @@ def test_pipelined_tier_never_takes_rows_off_the_chunk_grid_or_lean_ones(monkeyp
                 if plan.tier != "pipe":
                     continue
                 assert plan.whole and plan.rpt == 1 and mk in _plan.al_mask_kinds(dtype), plan
-                assert plan.nch * (16 // item) <= _plan.HELD_VALUES, plan
+                assert item == 4 and plan.nch == 8, plan
                 assert plan.kernel in _plan.all_kernel_names()
