@@ -41,6 +41,7 @@ BASE_OPTIONS = ("-std=c++17", "-DNDEBUG")
 MAIN_NAME = "drvsoftmax_kernels.cu"
 MAIN_SOURCE = (
     '#include "softmax_fwd.cu"\n#include "softmax_bwd.cu"\n#include "softmax_cluster.cu"\n#include "softmax_pipe.cu"\n'
+    '#include "softmax_split.cu"\n'
 )
 
 

@@ -175,6 +175,7 @@ class Prepared:
         "coop",
         "fallback",
         "smem",
+        "split",
     )
 
     def __init__(self, dev: Device, plan: _plan.LaunchPlan, packed: bytes, nargs: int) -> None:
@@ -199,6 +200,9 @@ class Prepared:
         self.fallback: _plan.LaunchPlan | None = None
         # Dynamic shared memory of a plain launch (the pipelined register tier), else 0.
         self.smem = plan.smem if plan.tier == "pipe" else 0
+        # Split-tier launches: (segments per row, rows at a time, workspace bytes), set by
+        # `_with_workspace`; None for all others.
+        self.split: tuple[int, int, int] | None = None
 
 
 _Made = tuple[dict[str, Any], _plan.LaunchPlan]
@@ -239,10 +243,31 @@ def _pipe_or_register(dev: Device, made: _Made, replan: Callable[[], _Made]) -> 
     return values, dataclasses.replace(plan, grid=min(plan.grid, cap))
 
 
+def _split_or_loop(dev: Device, made: _Made, replan: Callable[[], _Made]) -> _Made:
+    """`made` if its plan is not of the split tier or this device holds a row's segments
+    at once (asked once per kernel); else the looped tier's plan (`replan`)."""
+    plan = made[1]
+    if not plan.split or _plan.FORCE_SPLIT:
+        return made
+    resident = getattr(dev, "resident_blocks", None)  # (stand-in devices of tests may lack it)
+    if resident is not None and resident(plan.kernel, 0, plan.block) < plan.split:
+        return replan()
+    return made
+
+
 def _with_fallback(prep: Prepared, replan: Callable[[], _Made]) -> Prepared:
-    """A coop-tier launch keeps the looped tier's plan (same parameters) for a refused launch."""
-    if prep.coop is not None:
+    """A coop- or split-tier launch keeps the looped tier's plan (same parameters) for a
+    refused launch (a cooperative launch too large; no stream-ordered workspace)."""
+    if prep.coop is not None or prep.split is not None:
         prep.fallback = replan()[1]
+    return prep
+
+
+def _with_workspace(prep: Prepared, rows: int) -> Prepared:
+    """A split-tier launch's grid and the bytes of workspace its launches allocate."""
+    plan = prep.plan
+    if plan.split:
+        prep.split = (plan.split, plan.grid // plan.split, plan.workspace(rows))
     return prep
 
 
@@ -293,8 +318,10 @@ def prepare_forward(
         return forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned)
 
     made = forward_params(x, y, mask, klen, causal, scale, aligned, mask_aligned, getattr(dev, "caps", None))
-    values, plan = _pipe_or_register(dev, _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan), replan)
-    return _with_fallback(Prepared(dev, plan, _params.FWD.pack(values), 5), replan)
+    made = _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan)
+    values, plan = _pipe_or_register(dev, _split_or_loop(dev, made, replan), replan)
+    prep = _with_workspace(Prepared(dev, plan, _params.FWD.pack(values), 5), values["rows"])
+    return _with_fallback(prep, replan)
 
 
 def forward_params(
@@ -431,8 +458,9 @@ def prepare_backward(dev: Device, dy: Operand, y: Operand, dx: Operand, scale: f
         return backward_params(dy, y, dx, scale, aligned)
 
     made = backward_params(dy, y, dx, scale, aligned, getattr(dev, "caps", None))
-    values, plan = _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan)
-    return _with_fallback(Prepared(dev, plan, _params.BWD.pack(values), 4), replan)
+    values, plan = _split_or_loop(dev, _coop_or_loop(dev, _cluster_or_loop(dev, made, replan), replan), replan)
+    prep = _with_workspace(Prepared(dev, plan, _params.BWD.pack(values), 4), values["rows"])
+    return _with_fallback(prep, replan)
 
 
 def backward_params(
@@ -536,6 +564,9 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
         return
     if prep.coop is not None:
         _launch_coop(prep, argv_addr, stream)
+        return
+    if prep.split is not None:
+        _launch_split(prep, (p0, p1, p2, p3) if prep.nargs == 5 else (p0, p1, p2), stream)
         return
     if stream > 2 or ctx_ok:
         s = _streams.get(stream)
@@ -648,6 +679,67 @@ def _launch_coop(prep: Prepared, argv_addr: int, stream: int) -> None:
             prep.coop = None
         check(
             drv.cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0),
+            "cuLaunchKernel",
+        )
+    finally:
+        if pushed:
+            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def _launch_split(prep: Prepared, ptrs: tuple[int, ...], stream: int) -> None:
+    """One split-tier launch: its workspace allocated on `stream` (cuMemAllocAsync), its
+    flags zeroed, the kernel (grid (S, G)) with the workspace as its last argument, the
+    workspace freed after it on the same stream; with the kernel's device's primary context
+    current.  Where the device or the stream cannot give stream-ordered memory, this launch
+    and all later ones of `prep` take the looped tier: its kernel reads the same parameters."""
+    drv = _drv or _load_driver()
+    ctx = prep.dev.ctx
+    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
+    if pushed:
+        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        split = prep.split
+        s = _stream_obj(stream)
+        if split is not None:
+            segs, groups, nbytes = split
+            err, ws = drv.cuMemAllocAsync(nbytes, s)
+            if not err:
+                try:
+                    check(drv.cuMemsetD32Async(ws, 0, nbytes // 4, s), "cuMemsetD32Async")
+                    n = len(ptrs) + 2  # the pointers, the parameter block, the workspace
+                    args = (ctypes.c_uint64 * (2 * n))()
+                    base = ctypes.addressof(args)
+                    slots = [*ptrs, int(ws)]
+                    for i, v in enumerate(slots[:-1]):
+                        args[i] = base + 8 * (n + i)
+                        args[n + i] = v
+                    args[len(ptrs)] = prep.params_addr
+                    args[n - 1] = base + 8 * (2 * n - 1)
+                    args[2 * n - 1] = int(ws)
+                    check(
+                        drv.cuLaunchKernel(prep.func, segs, groups, 1, prep.block, 1, 1, 0, s, base, 0),
+                        "cuLaunchKernel",
+                    )
+                finally:
+                    check(drv.cuMemFreeAsync(ws, s), "cuMemFreeAsync")
+                return
+            fb = prep.fallback
+            if fb is None:
+                check((err,), "cuMemAllocAsync")
+                return
+            from ._log import log
+
+            log.info("no stream-ordered workspace for %s (%s): the looped tier instead", prep.plan.kernel, err)
+            prep.func, prep.kernel = prep.dev.function(fb.kernel), prep.dev.kernel(fb.kernel)
+            prep.grid, prep.block, prep.plan = fb.grid, fb.block, fb
+            prep.split = None
+        buf, argv_addr = _targs.a5 if prep.nargs == 5 else _targs.a4
+        if prep.nargs == 5:
+            _pack5(buf, 32, prep.params_addr, *ptrs)
+        else:
+            _pack4(buf, 24, prep.params_addr, *ptrs)
+        check(
+            drv.cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, s, argv_addr, 0),
             "cuLaunchKernel",
         )
     finally:

@@ -258,6 +258,15 @@ def kernel_bwd_coop(dtype: str, reg: int = 0) -> str:
     return f"smx_bwd_coop<{_t(dtype)}, {reg}>"
 
 
+def kernel_fwd_split(dtype: str, mask_kind: str) -> str:
+    nch = split_nch(X_DTYPES[dtype][1], False, MASK_ITEMSIZE[mask_kind])
+    return f"smx_fwd_split<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}>"
+
+
+def kernel_bwd_split(dtype: str) -> str:
+    return f"smx_bwd_split<{_t(dtype)}, {split_nch(X_DTYPES[dtype][1], True)}>"
+
+
 def kernel_fwd_pipe(dtype: str, mask_kind: str, nch: int) -> str:
     return f"smx_fwd_pipe<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {nch}>"
 
@@ -290,9 +299,12 @@ def all_kernel_names() -> list[str]:
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
         names += [kernel_bwd_coop(dt), kernel_bwd_coop(dt, CLUSTER_REG)]
-    for dt, (_, item) in X_DTYPES.items():  # the pipelined register tier last
+    for dt, (_, item) in X_DTYPES.items():  # the pipelined register tier
         for mk in MASK_KINDS:
             names += _pipe_names(dt, mk, item)
+    for dt in X_DTYPES:  # the split tier last
+        names += [kernel_fwd_split(dt, mk) for mk in MASK_KINDS]
+        names.append(kernel_bwd_split(dt))
     return names
 
 
@@ -568,10 +580,86 @@ def pipe_smem(nch: int, block: int, itemsize: int, mask_kind: str) -> int:
     return nch * block * (CHUNK_BYTES + (CHUNK_BYTES // itemsize) * MASK_ITEMSIZE[mask_kind])
 
 
+# ----------------------------------------------------------------------------------
+# The split tier (softmax_split.cu, every architecture): rows beyond the register tier in
+# segments of SPLIT_NCH chunks per thread, one ordinary block each (grid (S, G): S segments
+# of each of G rows at a time), every byte read once.  The blocks of a row exchange their
+# pairs through a workspace of 16-byte slots (S per row) that the launch allocates on the
+# stream, zeroes, and frees after the kernel.  No block waits on a block that may not be
+# resident: one that waits too long (2 ms) computes the missing pairs itself.
+# Planned for the rows the looped tier would take where that tier cannot fill the device
+# (a block per row: fewer rows than SPLIT_ROWS_PER_SM per SM), and only where a row's
+# segments fit the device at once (`split_pays`; at launch, the kernel's occupancy).  Measured on the H200 (% of copy,
+# looped -> split; benchmarks/split_rows.py): fp32 rows of 1M keys, 4 / 16 / 64 rows:
+# forward 2.2 -> 10, 6.6 -> 24, 24 -> 37; with a bool mask 2.0 -> 9.6, 6.6 -> 27, 25 ->
+# 40; backward 3.1 -> 14, 11 -> 30, 37 -> 44; fp16 rows of 1M keys, 8 / 32 rows: bool mask
+# 3.3 -> 11, 12 -> 16, backward 4.6 -> 11, 16 -> 26.  It loses where rows fill the device
+# (fp32 1M keys, 256 rows: forward 59 -> 43, backward 60 -> 50; fp16 128 rows: bool mask 40
+# -> 25, backward 50 -> 41) and everywhere to the cluster tier (fp16 forward of 1M keys, 8
+# rows: 28 -> 7; 65536 and 262144 keys: 80-94 -> 33-67): each block waits for its row's
+# other blocks (a round trip through L2) holding its segment, with nothing else in flight;
+# and where a row has more segments than the device holds blocks (fp32 1 row of 4M keys,
+# 512 segments: 0.6 -> 0.3, the first blocks reach the 2 ms limit).  DRVSOFTMAX_FORCE_SPLIT=1
+# (or FORCE_SPLIT) plans it wherever the cluster or looped tier would run.
+SPLIT_MIN_CC = 70  # acquire / release memory operations and __nanosleep
+SPLIT_BLOCK = 256  # SMX_SPLIT_BLOCK
+SPLIT_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
+SPLIT_SLOT = 16  # bytes of a workspace slot (SmxSlot)
+FORCE_SPLIT_ENV = "DRVSOFTMAX_FORCE_SPLIT"
+FORCE_SPLIT = os.environ.get(FORCE_SPLIT_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+# True: the split tier takes the looped tier's rows where `split_pays` (else only FORCE_SPLIT).
+SPLIT = True
+SPLIT_ROWS_PER_SM = 0.5
+# Blocks per SM the split kernels may reach (64 registers: the backward's); the launch checks
+# the device's occupancy of the kernel and takes the looped tier where a row's segments
+# exceed what the device holds at once.
+SPLIT_MAX_PER_SM = 4
+
+
+def split_nch(itemsize: int, backward: bool, mask_item: int = 0) -> int:
+    """Chunks per thread of a split-tier segment: 32 fp32 values forward (8 chunks of fp32,
+    4 of 16-bit x), but 4 chunks of fp32 x with a mask of 4- or 8-byte elements (8 spilled
+    at ptxas's 128 registers); 4 chunks of dy and of y backward."""
+    if backward or (itemsize == 4 and mask_item >= 4):
+        return 4
+    return 2 * itemsize
+
+
+def split_pays(rows: int, segs: int, caps: DeviceCaps) -> bool:
+    """The split tier instead of the looped one by default: too few rows for the looped
+    tier to fill the device, and a row's segments no more than the device may hold at
+    once (checked again at launch against the kernel's occupancy)."""
+    return (
+        caps.cc >= SPLIT_MIN_CC
+        and caps.sm_count > 0
+        and rows <= caps.sm_count * SPLIT_ROWS_PER_SM
+        and segs <= caps.sm_count * SPLIT_MAX_PER_SM
+    )
+
+
+def split_segments(sk: int, itemsize: int, aligned_rows: bool, backward: bool, mask_item: int = 0) -> int:
+    """Segments (blocks) per row of the split tier."""
+    nch = split_nch(itemsize, backward, mask_item)
+    return _ceil_div(row_chunks(sk, itemsize, aligned_rows), nch * SPLIT_BLOCK)
+
+
+def _split_plan(
+    name: str, rows: int, sk: int, item: int, aligned_rows: bool, vector: bool, backward: bool, mask_item: int = 0
+) -> LaunchPlan:
+    segs = split_segments(sk, item, aligned_rows, backward, mask_item)
+    groups = max(1, min(rows, SPLIT_MAX_GROUPS))
+    nch = split_nch(item, backward, mask_item)
+    why = (
+        f"{row_chunks(sk, item, aligned_rows)} chunks per row beyond the register tier: {segs} segment(s) of "
+        f"{nch} chunks per thread, a block each, their pairs exchanged through a workspace of {rows * segs * SPLIT_SLOT} bytes"
+    )
+    return LaunchPlan(name, "split", _check_grid(segs * groups), SPLIT_BLOCK, 8, nch, 1, vector, why, split=segs)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: str  # name expression of the kernel
-    tier: str  # "register", "cluster", "coop" or "loop"
+    tier: str  # "register", "pipe", "cluster", "coop", "split" or "loop"
     grid: int
     block: int
     tpr_log2: int  # log2(threads per row)
@@ -583,6 +671,11 @@ class LaunchPlan:
     cluster: int = 0  # CTAs per cluster (cluster tier), else 0
     smem: int = 0  # dynamic shared memory per block (bytes)
     coop: int = 0  # blocks per row G (coop tier: grid (G, grid // G)), else 0
+    split: int = 0  # segments per row S (split tier: grid (S, grid // S)), else 0
+
+    def workspace(self, rows: int) -> int:
+        """Bytes of workspace a launch of this plan over `rows` rows needs (split tier)."""
+        return rows * self.split * SPLIT_SLOT if self.split else 0
 
     @property
     def tpr(self) -> int:
@@ -598,6 +691,8 @@ class LaunchPlan:
                 f"a persistent grid of at most {self.grid} blocks (as many as the device holds at once) x block "
                 f"{self.block}, {self.smem} bytes of shared memory per block"
             )
+        if self.split:
+            shape = f"grid ({self.split} segments, {self.grid // self.split} rows at a time) x block {self.block}"
         if self.coop:
             shape += (
                 f" as {self.grid // self.coop} group(s) of {self.coop} co-resident blocks, "
@@ -850,7 +945,7 @@ def plan_forward(
         name = kernel_fwd_cluster(dtype, mask_kind, reg)
         plan = (
             None
-            if FORCE_COOP
+            if FORCE_COOP or FORCE_SPLIT
             else _cluster_plan(name, reg, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
@@ -859,6 +954,11 @@ def plan_forward(
                 kernel_fwd_coop(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
             )
             plan = _coop_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
+        mi = MASK_ITEMSIZE[mask_kind]
+        segs = split_segments(sk, item, aligned_rows, False, mi)
+        if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
+            name = kernel_fwd_split(dtype, mask_kind)
+            plan = _split_plan(name, rows, sk, item, aligned_rows, vector, False, mi)
         if plan is not None:
             return plan
     whole = whole and tier == "register"
@@ -884,12 +984,15 @@ def plan_backward(
         name = kernel_bwd_cluster(dtype, CLUSTER_REG)
         plan = (
             None
-            if FORCE_COOP
+            if FORCE_COOP or FORCE_SPLIT
             else _cluster_plan(name, CLUSTER_REG, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))
             plan = _coop_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+        segs = split_segments(sk, item, aligned_rows, True)
+        if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
+            plan = _split_plan(kernel_bwd_split(dtype), rows, sk, item, aligned_rows, vector, True)
         if plan is not None:
             return plan
     whole = whole and tier == "register"

@@ -33,6 +33,8 @@ def where_it_fits(request, monkeypatch):
     default policy (where it measured faster) has tests of its own, marked `default_policy`."""
     if "default_policy" not in request.keywords:
         monkeypatch.setattr(_plan, "COOP_WHERE_IT_FITS", True)
+    # (the split tier, which takes some of the looped tier's rows, has tests of its own)
+    monkeypatch.setattr(_plan, "SPLIT", False)
 
 
 @pytest.mark.default_policy

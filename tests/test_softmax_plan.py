@@ -17,6 +17,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import plan_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -296,6 +297,13 @@ def test_every_kernel_name_is_reachable(monkeypatch):
                 for mk in MASK_KINDS:
                     reached.add(_plan.plan_forward(64, sk, dtype, mk, True, True, caps).kernel)
                 reached.add(_plan.plan_backward(64, sk, dtype, True, True, caps).kernel)
+    # (the split tier: the rows no cluster holds, where the coop tier is not asked for)
+    monkeypatch.setattr(_plan, "COOP_WHERE_IT_FITS", False)
+    monkeypatch.setattr(_plan, "FORCE_SPLIT", True)
+    for dtype in DTYPES:
+        for mk in MASK_KINDS:
+            reached.add(_plan.plan_forward(64, 2**23, dtype, mk, True, True, H200).kernel)
+        reached.add(_plan.plan_backward(64, 2**23, dtype, True, True, H200).kernel)
     names = _plan.all_kernel_names()
     assert len(names) == len(set(names)), "duplicate kernel names"
     assert set(names) == reached, f"never planned: {sorted(set(names) - reached)}"
@@ -728,3 +736,45 @@ def test_pipelined_tier_never_takes_rows_off_the_chunk_grid_or_lean_ones(monkeyp
                 assert plan.whole and plan.rpt == 1 and mk in _plan.al_mask_kinds(dtype), plan
                 assert item == 4 and plan.nch == 8, plan
                 assert plan.kernel in _plan.all_kernel_names()
+
+
+def test_split_tier_takes_the_looped_tiers_rows_only_where_they_leave_the_device_idle():
+    """Few rows (at most half the SMs) whose segments fit the device at once: the split
+    tier; more rows, too many segments, an unknown SM count, no device or a chip before
+    sm_70: the looped tier; rows a cluster holds keep their cluster."""
+    h200 = _plan.DeviceCaps(90, 232448, 132)
+    for dtype in DTYPES:
+        item = ITEMSIZE[dtype]
+        for sk in (2**20, 2**20 + 3):
+            for backward in (False, True):
+                segs = _plan.split_segments(sk, item, True, backward)
+                assert segs <= 132 * _plan.SPLIT_MAX_PER_SM
+                few = plan_of(backward, 66, sk, dtype, "hide1", True, h200)
+                many = plan_of(backward, 67, sk, dtype, "hide1", True, h200)
+                if few.tier == "cluster":
+                    assert many.tier == "cluster"
+                    continue
+                assert few.tier == "split" and few.split == segs and few.grid == segs * 66, few
+                assert many.tier == "loop", many
+                for caps in (None, _plan.DeviceCaps(90, 232448), _plan.DeviceCaps(61, 98304, 20)):
+                    assert plan_of(backward, 8, sk, dtype, "hide1", True, caps).tier in ("loop", "coop")
+        # a row of more segments than SMs
+        assert plan_of(False, 2, 2**23, dtype, "none", True, h200).tier == "loop"
+
+
+def test_split_segments_cover_the_row_and_the_workspace_is_one_slot_each():
+    h200 = _plan.DeviceCaps(90, 232448, 132)
+    for dtype in DTYPES:
+        item = ITEMSIZE[dtype]
+        n = 16 // item
+        for mk in ("none", "hide1", "add_float32", "add_float64"):
+            for sk in (16385, 65537, 2**20 - 1):
+                for aligned in (True, False):
+                    p = _plan.plan_forward(5, sk, dtype, mk, True, aligned, h200)
+                    if p.tier != "split":
+                        continue
+                    chunks = _plan.row_chunks(sk, item, aligned)
+                    per = p.nch * p.block  # chunks per segment
+                    assert (p.split - 1) * per < chunks <= p.split * per, (dtype, mk, sk, p)
+                    assert p.workspace(5) == 5 * p.split * 16
+                    assert f", {p.nch}>" in p.kernel and p.nch * n <= 32

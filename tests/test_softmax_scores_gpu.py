@@ -31,10 +31,14 @@ TIERS = [
     ("register", 128),
     ("register", 1000),
     ("register", 16384),
+    ("pipe", 16384),
     ("loop", 40003),
     ("coop", 40003),
     ("cluster", 65560),
 ]
+# The pipelined tier has a kernel for fp32 x with an fp32 additive mask only.
+MASKED_CASES = [(t, sk, dt) for t, sk in TIERS for dt in DTYPES if t != "pipe" or dt == "float32"]
+UNMASKED_TIERS = [(t, sk) for t, sk in TIERS if t != "pipe"]
 
 
 def _forget():
@@ -47,11 +51,16 @@ def _forget():
 @pytest.fixture
 def tier_forced(monkeypatch, request):
     """Plan the tier the case is about: the loop tier where clusters cannot run, the coop
-    tier where the cluster tier would run."""
+    tier where the cluster tier would run, the register tier where the pipelined one would
+    (fp32 rows with an fp32 mask of 16384 keys), and the pipelined one for fp32 rows."""
     tier = request.param
     dev = _driver.device(torch.cuda.current_device())
-    if tier == "cluster" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the cluster tier needs sm_90+")
+    if tier in ("cluster", "pipe") and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip(f"the {tier} tier needs sm_90+")
+    if tier == "register":
+        monkeypatch.setattr(_plan, "PIPE_MIN_CC", 10**6)
+    if tier == "pipe":
+        monkeypatch.setattr(_plan, "FORCE_PIPE", True)
     if tier == "loop":
         monkeypatch.setattr(dev, "cluster_ready", lambda *a: False)
     if tier == "coop":
@@ -120,8 +129,7 @@ def _rows_of_big_masks(sk):
     return x, m
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("tier_forced,sk", TIERS, indirect=["tier_forced"])
+@pytest.mark.parametrize("tier_forced,sk,dtype", MASKED_CASES, indirect=["tier_forced"])
 def test_rows_of_big_additive_masks(tier_forced, sk, dtype):
     """finfo.min over whole and half rows, maxima of +-3e9, 2^30 and just below, and true
     softmaxes at +-1e6: against the reference, no NaN, rows summing to 1."""
@@ -136,7 +144,7 @@ def test_rows_of_big_additive_masks(tier_forced, sk, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("tier_forced,sk", TIERS, indirect=["tier_forced"])
+@pytest.mark.parametrize("tier_forced,sk", UNMASKED_TIERS, indirect=["tier_forced"])
 def test_rows_of_big_scores_without_a_mask(tier_forced, sk, dtype):
     """x * scale large without a mask (the cluster tier's folded path takes maxima below
     1024 only): maxima near 1000 and 1300 with steps of 0.6-1.3 between scores, and in
