@@ -5,7 +5,7 @@
 Needs a CUDA GPU and PyTorch with CUDA.  For the long-row cases of bench_softmax.py (rows
 of 65536, 262144 and 1M keys; forward without a mask and with a bool mask, backward), and
 for fewer rows of 1M and 4M keys than the device has SMs, it
-prepares the same launch twice, once as planned by default and once with the split tier
+prepares the same launch twice, once as planned without the split tier and once with it
 forced (`_plan.FORCE_SPLIT`), checks that the two outputs agree to the dtype's rounding
 (the tiers merge their partial sums in different orders), and prints the median time of
 each over three alternating rounds as % of a device-to-device copy timed in the same run
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
 
     def prepared(kind, a, b, c, force: bool) -> _core.Prepared:
-        saved = _plan.FORCE_SPLIT
-        _plan.FORCE_SPLIT = force
+        saved = _plan.FORCE_SPLIT, _plan.SPLIT
+        _plan.FORCE_SPLIT, _plan.SPLIT = force, force
         try:
             if kind == "bwd":
                 return _core.prepare_backward(dev, op(a), op(b), op(c), 0.125, True)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 dev, op(a), op(c), None if b is None else op(b), None, False, 0.125, True, True
             )
         finally:
-            _plan.FORCE_SPLIT = saved
+            _plan.FORCE_SPLIT, _plan.SPLIT = saved
 
     def regs(prep: _core.Prepared) -> str:
         from cuda.bindings import driver as drv

@@ -618,10 +618,12 @@ SPLIT_MAX_PER_SM = 4
 
 def split_nch(itemsize: int, backward: bool, mask_item: int = 0) -> int:
     """Chunks per thread of a split-tier segment: 32 fp32 values forward (8 chunks of fp32,
-    4 of 16-bit x), but 4 chunks of fp32 x with a mask of 4- or 8-byte elements (8 spilled
-    at ptxas's 128 registers); 4 chunks of dy and of y backward."""
+    4 of 16-bit x), but half as many with a mask of 4- or 8-byte elements (more spilled at
+    ptxas's 128 registers); 4 chunks of dy and of y backward."""
     if backward or (itemsize == 4 and mask_item >= 4):
         return 4
+    if mask_item >= 4:  # (16-bit x: 4 chunks spilled on sm_100 and sm_120 with NVRTC 13.5)
+        return 2
     return 2 * itemsize
 
 

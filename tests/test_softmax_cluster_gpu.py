@@ -324,13 +324,14 @@ def test_forward_strided_and_unaligned_rows(sk):
 )
 def test_forward_longest_targets(dtype, sk, mask):
     """1M-key 16-bit rows (clusters of 16: the non-portable size) and 256K fp32 rows.  With a
-    mask, 1M-key 16-bit rows would need over CLUSTER_LOOP_SMEM per block: the looped tier."""
+    mask, 1M-key 16-bit rows would need over CLUSTER_LOOP_SMEM per block: the looped tier
+    (the split tier for these few rows)."""
     x = _rand((3, sk), DTYPES[dtype])
     m = torch.from_numpy(_gen.random((1, sk)) < 0.3).cuda() if mask else None
     loop = mask and sk == 2**20
     _check_forward(x, m, scale=0.7, what=f"{dtype} Sk={sk} mask={mask}", cluster=None if loop else 16, any_tier=loop)
     if loop:
-        assert _fwd_plan(x, m).tier == "loop"
+        assert _fwd_plan(x, m).tier == "split"
 
 
 def test_forward_many_clusters_cover_every_row():

@@ -243,3 +243,16 @@ def test_cuda_graph_capture_and_replay():
         g.replay()
         torch.cuda.synchronize()
         assert_matches(_np(out), _reference.softmax_forward(_np(x), None, 0.5, False, None), "float32", "replay")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_wide_masks(dtype):
+    """Masks of 4- and 8-byte elements (kernels of fewer chunks per thread)."""
+    sk = 40003
+    shape = (2, 1, 5, sk)
+    x = _x(shape, dtype)
+    hide = torch.from_numpy((_gen.random(shape) < 0.3).astype(np.int32)).cuda()
+    _check_fwd(x, hide, what=f"{dtype} int32 mask")
+    _check_fwd(x, hide.to(torch.int64), what=f"{dtype} int64 mask")
+    _check_fwd(x, _mask("add", shape, torch.float32), what=f"{dtype} fp32 additive mask")
+    _check_fwd(x, _mask("add", shape, torch.float64), what=f"{dtype} fp64 additive mask")
