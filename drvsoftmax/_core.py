@@ -651,6 +651,14 @@ _cluster_lock = threading.Lock()
 _COOPERATIVE_LAUNCH_TOO_LARGE = 720
 
 
+def _take_fallback(prep: Prepared, fb: _plan.LaunchPlan) -> None:
+    """This launch and all later ones of `prep` take the looped tier's plan `fb` (the same
+    parameters, a plain launch)."""
+    prep.func, prep.kernel = prep.dev.function(fb.kernel), prep.dev.kernel(fb.kernel)
+    prep.grid, prep.block, prep.plan = fb.grid, fb.block, fb
+    prep.coop = prep.split = None
+
+
 def _launch_coop(prep: Prepared, argv_addr: int, stream: int) -> None:
     """One cuLaunchCooperativeKernel of a coop-tier launch (grid (G, groups), all blocks
     resident at once), with the kernel's device's primary context current.  Where the
@@ -673,10 +681,7 @@ def _launch_coop(prep: Prepared, argv_addr: int, stream: int) -> None:
             from ._log import log
 
             log.info("cooperative launch of %s refused as too large: the looped tier instead", prep.plan.kernel)
-            fb = prep.fallback
-            prep.func, prep.kernel = prep.dev.function(fb.kernel), prep.dev.kernel(fb.kernel)
-            prep.grid, prep.block, prep.plan = fb.grid, fb.block, fb
-            prep.coop = None
+            _take_fallback(prep, prep.fallback)
         check(
             drv.cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0),
             "cuLaunchKernel",
@@ -730,9 +735,7 @@ def _launch_split(prep: Prepared, ptrs: tuple[int, ...], stream: int) -> None:
             from ._log import log
 
             log.info("no stream-ordered workspace for %s (%s): the looped tier instead", prep.plan.kernel, err)
-            prep.func, prep.kernel = prep.dev.function(fb.kernel), prep.dev.kernel(fb.kernel)
-            prep.grid, prep.block, prep.plan = fb.grid, fb.block, fb
-            prep.split = None
+            _take_fallback(prep, fb)
         buf, argv_addr = _targs.a5 if prep.nargs == 5 else _targs.a4
         if prep.nargs == 5:
             _pack5(buf, 32, prep.params_addr, *ptrs)
