@@ -589,17 +589,19 @@ def pipe_smem(nch: int, block: int, itemsize: int, mask_kind: str) -> int:
 # resident: one that waits too long (2 ms) computes the missing pairs itself.
 # Planned for the rows the looped tier would take where that tier cannot fill the device
 # (a block per row: fewer rows than SPLIT_ROWS_PER_SM per SM), and only where a row's
-# segments fit the device at once (`split_pays`; at launch, the kernel's occupancy).  Measured on the H200 (% of copy,
-# looped -> split; benchmarks/split_rows.py): fp32 rows of 1M keys, 4 / 16 / 64 rows:
-# forward 2.2 -> 10, 6.6 -> 24, 24 -> 37; with a bool mask 2.0 -> 9.6, 6.6 -> 27, 25 ->
-# 40; backward 3.1 -> 14, 11 -> 30, 37 -> 44; fp16 rows of 1M keys, 8 / 32 rows: bool mask
-# 3.3 -> 11, 12 -> 16, backward 4.6 -> 11, 16 -> 26.  It loses where rows fill the device
-# (fp32 1M keys, 256 rows: forward 59 -> 43, backward 60 -> 50; fp16 128 rows: bool mask 40
-# -> 25, backward 50 -> 41) and everywhere to the cluster tier (fp16 forward of 1M keys, 8
-# rows: 28 -> 7; 65536 and 262144 keys: 80-94 -> 33-67): each block waits for its row's
-# other blocks (a round trip through L2) holding its segment, with nothing else in flight;
-# and where a row has more segments than the device holds blocks (fp32 1 row of 4M keys,
-# 512 segments: 0.6 -> 0.3, the first blocks reach the 2 ms limit).  DRVSOFTMAX_FORCE_SPLIT=1
+# segments fit the device at once (`split_pays`; at launch, the kernel's occupancy).
+# Measured on the H200 (% of copy, looped -> split; benchmarks/split_rows.py, results in
+# benchmarks/results): fp32 rows of 1M keys, 4 / 16 / 64 rows: forward 2.2 -> 8.3, 6.6 ->
+# 21, 24 -> 36; with a bool mask 2.0 -> 9.6, 6.6 -> 24, 25 -> 38; backward 3.2 -> 12, 11 ->
+# 28, 37 -> 41; fp16 rows of 1M keys, 8 / 32 rows: bool mask 3.4 -> 9.9, 12 -> 20,
+# backward 4.7 -> 13, 16 -> 30.  It loses where rows fill the device (fp32 1M keys, 256
+# rows: forward 59 -> 43, backward 60 -> 49; fp16 128 rows: bool mask 41 -> 28, backward
+# 50 -> 48) and everywhere to the cluster tier (fp16 forward of 1M keys, 8 / 32 / 128 rows:
+# 29 / 53 / 72 -> 9 / 20 / 31; rows of 65536 and 262144 keys: 80-94 -> 33-67): each
+# block waits for its row's other blocks (a round trip through L2) holding its segment,
+# with nothing else in flight; and where a row has more segments than the device holds
+# blocks (fp32, 1 row of 4M keys, 512 segments: 0.6 -> 0.3, the first blocks reach the
+# 2 ms limit).  DRVSOFTMAX_FORCE_SPLIT=1
 # (or FORCE_SPLIT) plans it wherever the cluster or looped tier would run.
 SPLIT_MIN_CC = 70  # acquire / release memory operations and __nanosleep
 SPLIT_BLOCK = 256  # SMX_SPLIT_BLOCK
