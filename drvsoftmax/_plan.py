@@ -603,6 +603,18 @@ def pipe_smem(nch: int, block: int, itemsize: int, mask_kind: str) -> int:
 # blocks (fp32, 1 row of 4M keys, 512 segments: 0.6 -> 0.3, the first blocks reach the
 # 2 ms limit).  DRVSOFTMAX_FORCE_SPLIT=1
 # (or FORCE_SPLIT) plans it wherever the cluster or looped tier would run.
+# Tried and not kept: a lagged split kernel for rows that fill the device (a persistent
+# grid (S, G) of 2 blocks per SM, each block taking its segment of rows g, g + G, ... in
+# two passes a row apart: pass 1 of row r loads its segment and publishes the pair, then
+# pass 2 of the row before gathers that row's pairs, loads its segment again from L2 and
+# stores; nothing held across a wait; 97-128 registers).  It lost everywhere, being bound
+# by each block's chain of latencies (DRAM load, block reduction, publish, gather, L2
+# reload, store) rather than by bandwidth: one block per SM ran at about half the speed of
+# two.  Measured on the H200 (% of copy, planned tier / split / lagged at 1 and 2 blocks
+# per SM): fp32 16 x 8 x 1M forward 60 / 44 / 22 / 39, bool 58 / 41 / 21 / 37, backward 60 /
+# 51 / 31 / 31; fp16 16 x 32 x 1M bool 55 / 27 / 13 / 23, backward 61 / 57 / 23 / 41; fp32
+# 16 x 256 x 65536 forward (cluster) 92 / 52 / 28 / 48.  Beating the looped tier this way
+# needs several segments in flight per block (asynchronous copies into shared memory).
 SPLIT_MIN_CC = 70  # acquire / release memory operations and __nanosleep
 SPLIT_BLOCK = 256  # SMX_SPLIT_BLOCK
 SPLIT_MAX_GROUPS = 65535  # rows in flight (the grid's y dimension)
