@@ -8,11 +8,12 @@ calls with the same layout only write pointers and launch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _dtypes, _params, _plan
@@ -612,18 +613,23 @@ def _load_driver() -> Any:
 def _launch_in_context(prep: Prepared, argv_addr: int, stream: int) -> None:
     """Launch with the prepared kernel's device's primary context current."""
     drv = _drv or _load_driver()
-    ctx = prep.dev.ctx
-    cur = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    pushed = cur != ctx
-    if pushed:
-        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
+    with _in_context(drv, prep.dev.ctx):
         check(
             drv.cuLaunchKernel(
                 prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, prep.smem, _stream_obj(stream), argv_addr, 0
             ),
             "cuLaunchKernel",
         )
+
+
+@contextlib.contextmanager
+def _in_context(drv: Any, ctx: Any) -> Iterator[None]:
+    """`ctx` current inside (pushed, and popped after, where another context or none is)."""
+    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
+    if pushed:
+        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        yield
     finally:
         if pushed:
             check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
@@ -634,17 +640,9 @@ def _launch_cluster(prep: Prepared, argv_addr: int, stream: int) -> None:
     cannot be given to cuLaunchKernel), with the kernel's device's primary context current."""
     drv = _drv or _load_driver()
     cfg = prep.cluster
-    ctx = prep.dev.ctx
-    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
-    if pushed:
-        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        with _cluster_lock:  # the config's stream is set per launch
-            cfg.hStream = _stream_obj(stream)
-            check(drv.cuLaunchKernelEx(cfg, prep.func, argv_addr, 0), "cuLaunchKernelEx")
-    finally:
-        if pushed:
-            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+    with _in_context(drv, prep.dev.ctx), _cluster_lock:  # (the config's stream is set per launch)
+        cfg.hStream = _stream_obj(stream)
+        check(drv.cuLaunchKernelEx(cfg, prep.func, argv_addr, 0), "cuLaunchKernelEx")
 
 
 _cluster_lock = threading.Lock()
@@ -665,11 +663,7 @@ def _launch_coop(prep: Prepared, argv_addr: int, stream: int) -> None:
     driver refuses it as too large (the device is shared, say), this launch and all later
     ones of `prep` take the looped tier: its kernel reads the same parameters."""
     drv = _drv or _load_driver()
-    ctx = prep.dev.ctx
-    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
-    if pushed:
-        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
+    with _in_context(drv, prep.dev.ctx):
         coop = prep.coop
         if coop is not None:
             err = drv.cuLaunchCooperativeKernel(
@@ -686,9 +680,6 @@ def _launch_coop(prep: Prepared, argv_addr: int, stream: int) -> None:
             drv.cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, _stream_obj(stream), argv_addr, 0),
             "cuLaunchKernel",
         )
-    finally:
-        if pushed:
-            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _launch_split(prep: Prepared, ptrs: tuple[int, ...], stream: int) -> None:
@@ -696,15 +687,13 @@ def _launch_split(prep: Prepared, ptrs: tuple[int, ...], stream: int) -> None:
     flags zeroed, the kernel (grid (S, G)) with the workspace as its last argument, the
     workspace freed after it on the same stream; with the kernel's device's primary context
     current.  Where the device or the stream cannot give stream-ordered memory, this launch
-    and all later ones of `prep` take the looped tier: its kernel reads the same parameters."""
+    and all later ones of `prep` take the looped tier: its kernel reads the same parameters;
+    where the pool is out of memory, only this launch does."""
     drv = _drv or _load_driver()
-    ctx = prep.dev.ctx
-    pushed = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") != ctx
-    if pushed:
-        check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
+    with _in_context(drv, prep.dev.ctx):
         split = prep.split
         s = _stream_obj(stream)
+        func, grid, block = prep.func, prep.grid, prep.block
         if split is not None:
             segs, groups, nbytes = split
             err, ws = drv.cuMemAllocAsync(nbytes, s)
@@ -721,10 +710,7 @@ def _launch_split(prep: Prepared, ptrs: tuple[int, ...], stream: int) -> None:
                     args[len(ptrs)] = prep.params_addr
                     args[n - 1] = base + 8 * (2 * n - 1)
                     args[2 * n - 1] = int(ws)
-                    check(
-                        drv.cuLaunchKernel(prep.func, segs, groups, 1, prep.block, 1, 1, 0, s, base, 0),
-                        "cuLaunchKernel",
-                    )
+                    check(drv.cuLaunchKernel(func, segs, groups, 1, block, 1, 1, 0, s, base, 0), "cuLaunchKernel")
                 finally:
                     check(drv.cuMemFreeAsync(ws, s), "cuMemFreeAsync")
                 return
@@ -734,20 +720,22 @@ def _launch_split(prep: Prepared, ptrs: tuple[int, ...], stream: int) -> None:
                 return
             from ._log import log
 
-            log.info("no stream-ordered workspace for %s (%s): the looped tier instead", prep.plan.kernel, err)
-            _take_fallback(prep, fb)
+            if int(err) == _OUT_OF_MEMORY:  # (this launch only: the pool may have room again later)
+                log.info("no room for the workspace of %s: the looped tier for this launch", prep.plan.kernel)
+                func, grid, block = prep.dev.function(fb.kernel), fb.grid, fb.block
+            else:
+                log.info("no stream-ordered workspace for %s (%s): the looped tier instead", prep.plan.kernel, err)
+                _take_fallback(prep, fb)
+                func, grid, block = prep.func, prep.grid, prep.block
         buf, argv_addr = _targs.a5 if prep.nargs == 5 else _targs.a4
         if prep.nargs == 5:
             _pack5(buf, 32, prep.params_addr, *ptrs)
         else:
             _pack4(buf, 24, prep.params_addr, *ptrs)
-        check(
-            drv.cuLaunchKernel(prep.func, prep.grid, 1, 1, prep.block, 1, 1, 0, s, argv_addr, 0),
-            "cuLaunchKernel",
-        )
-    finally:
-        if pushed:
-            check(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+        check(drv.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, 0, s, argv_addr, 0), "cuLaunchKernel")
+
+
+_OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 
 
 def forward(

@@ -78,6 +78,11 @@ BWD_TABLE = (
 # cluster tier win below it (fp16 with a bool mask [B,1,Sq,Sk], clusters of 2: Sk 16384
 # 77.8 against 44.1% of copy, 4096 92.0 against 11.0; fp32 with an additive mask at 16384
 # 72.1 against 64.6).
+# Nor does the looped tier (a block per row, the second pass reading the row again, from
+# L2 where it still is) on rows the register tier holds (benchmarks/loop_rows.py, % of copy
+# planned -> looped, three rounds): without a mask fp32 16384 97 -> 70, 8192 99 -> 91, fp16
+# 16384 96 -> 74; bool masks fp16 16384 85 -> 50, fp32 16384 92 -> 72, fp16 4096 93 -> 20;
+# additive fp32 16384 (pipelined tier) 88 -> 70; causal fp16 [8,32,2048,2048] 0.894 -> 7.03 ms.
 # The register tier holds rows of up to 16384 elements: 4096 fp32 chunks, 2048 16-bit ones
 # (longer 16-bit rows would hold 64 values per thread in 512 threads; they take the looped
 # tier).

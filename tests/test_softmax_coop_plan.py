@@ -348,3 +348,62 @@ def test_coop_launch_and_its_fallback_when_refused(monkeypatch, coop_err):
         plain = ("plain", "F:" + loop.kernel, loop.grid, 1, 1, 256, 0)
         assert drv.calls == [first, plain, plain]
         assert prep.coop is None and prep.plan == loop and prep.grid == 5
+
+
+class _FakeSplitDriver(_FakeDriver):
+    """The driver calls of a split launch, recorded; cuMemAllocAsync answers the errors of
+    `alloc_errs` in turn (then 0)."""
+
+    def __init__(self, alloc_errs):
+        super().__init__(0)
+        self.alloc_errs = list(alloc_errs)
+
+    def cuMemAllocAsync(self, nbytes, stream):
+        err = self.alloc_errs.pop(0) if self.alloc_errs else 0
+        self.calls.append(("alloc", nbytes, err))
+        return (err, 0 if err else 4096)
+
+    def cuMemsetD32Async(self, ptr, value, count, stream):
+        self.calls.append(("memset", ptr, value, count))
+        return (0,)
+
+    def cuMemFreeAsync(self, ptr, stream):
+        self.calls.append(("free", ptr))
+        return (0,)
+
+
+@pytest.mark.default_policy
+@pytest.mark.parametrize("alloc_errs", [[], [2], [801]])
+def test_split_launch_and_its_fallbacks_when_the_workspace_is_refused(monkeypatch, alloc_errs):
+    """A split launch allocates its workspace on the stream, zeroes it, launches grid (S, G)
+    and frees it.  A pool out of memory (2) runs the looped tier for that launch only; a
+    device without stream-ordered memory (801, not supported; any other error alike) moves
+    this launch and every later one of the same prepared launch to the looped tier."""
+    monkeypatch.setattr(_plan, "FORCE_SPLIT", True)
+    drv = _FakeSplitDriver(alloc_errs)
+    monkeypatch.setattr(_core, "_drv", drv)
+    monkeypatch.setattr(_core, "_stream_obj", lambda s: s)
+    rows, sk = 4, 2**20
+    x = _core.Operand(0, "float32", (rows, sk), (sk, 1))
+    prep = _core.prepare_forward(_LaunchDevice(A100, 10**6), x, x, None, None, False, 0.5, True)
+    assert prep.plan.tier == "split" and prep.split is not None
+    segs, groups, nbytes = prep.split
+    assert nbytes == rows * segs * _plan.SPLIT_SLOT
+    loop = _plan.plan_forward(rows, sk, "float32", "none", True, True, None)
+    split = [
+        ("alloc", nbytes, 0),
+        ("memset", 4096, 0, nbytes // 4),
+        ("plain", "F:" + prep.plan.kernel, segs, groups, 1, 256, 0),
+        ("free", 4096),
+    ]
+    plain = ("plain", "F:" + loop.kernel, loop.grid, 1, 1, 256, 0)
+    _core.launch(prep, 1, 2, 0, 0, 7)
+    _core.launch(prep, 1, 2, 0, 0, 7)
+    if not alloc_errs:
+        assert drv.calls == split + split
+    elif alloc_errs == [2]:
+        assert drv.calls == [("alloc", nbytes, 2), plain] + split
+        assert prep.split == (segs, groups, nbytes) and prep.plan.tier == "split"
+    else:
+        assert drv.calls == [("alloc", nbytes, 801), plain, plain]
+        assert prep.split is None and prep.plan == loop and prep.grid == rows
