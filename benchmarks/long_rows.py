@@ -45,6 +45,40 @@ def _copy_ceiling(torch, reps: int) -> float:
     return 2 * nbytes / _median_ms(torch, lambda: dst.copy_(src), reps) / 1e6
 
 
+def tier_args(doc: str, argv: list[str] | None, reps: int, only: bool = True) -> argparse.Namespace:
+    """--reps (and --only) of the scripts that time one tier beside another."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=reps, help=f"timed calls per median (default {reps})")
+    if only:
+        ap.add_argument("--only", nargs="*", default=[], help="cases whose name holds one of these words")
+    return ap.parse_args(argv)
+
+
+def cuda_torch():
+    """torch where it sees a CUDA GPU, else None (and a line on stderr saying what is missing)."""
+    try:
+        import torch
+    except ImportError:
+        print("needs PyTorch with CUDA", file=sys.stderr)
+        return None
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None
+    return torch
+
+
+def operand(t):
+    """The _core.Operand of a torch tensor."""
+    from drvsoftmax import _core
+
+    return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
+
+
+def pct(nbytes: float, times: list[float], ceil: float) -> str:
+    """Each time (ms) of moving `nbytes` as % of a copy of `ceil` GB/s."""
+    return " ".join(f"{nbytes / t / 1e6 / ceil * 100:5.1f}" for t in times)
+
+
 def _cases(torch, drvsoftmax, dtype, rows: int, sk: int) -> list:
     """(name, call, minimum bytes moved) of the forward, the forward with a bool padding
     mask and the backward on fresh `[rows, sk]` inputs."""

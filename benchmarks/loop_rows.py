@@ -13,7 +13,6 @@ mask at its own size and y).  Prints only; writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -43,25 +42,18 @@ CASES = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=15, help="timed calls per median (default 15)")
-    ap.add_argument("--only", nargs="*", default=[], help="cases whose name holds one of these words")
-    args = ap.parse_args(argv)
+    from long_rows import _copy_ceiling, _median_ms, cuda_torch, operand, pct, tier_args
 
-    import torch
-    from long_rows import _copy_ceiling, _median_ms
+    args = tier_args(__doc__, argv, 15)
 
+    torch = cuda_torch()
+    if torch is None:
+        return 2
     from drvsoftmax import _core, _driver, _params, _plan
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
     dev = _driver.device(torch.cuda.current_device())
     ceil = _copy_ceiling(torch, args.reps)
     print(f"{dev.name}, copy ceiling {ceil:.0f} GB/s", flush=True)
-
-    def op(t) -> _core.Operand:
-        return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
 
     gen = torch.Generator(device="cuda").manual_seed(20261203)
     for name, shape, dt, kind in CASES:
@@ -76,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             m = (torch.randn(mshape, device="cuda", generator=gen) * 2).to(x.dtype)
         causal = kind == "causal"
         outs = [torch.full_like(x, float("nan")) for _ in range(2)]
-        args_of = [(op(x), op(o), None if m is None else op(m), None, causal, 0.125, True, True) for o in outs]
+        args_of = [
+            (operand(x), operand(o), None if m is None else operand(m), None, causal, 0.125, True, True) for o in outs
+        ]
         planned = _core.prepare_forward(dev, *args_of[0])
         item = _plan.X_DTYPES[dt][1]
         saved = dict(_plan.MAX_CHUNKS)
@@ -104,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = 2 * x.nbytes + (0 if m is None else m.nbytes)
         print(f"{name} {'x'.join(map(str, shape))}: max |difference| {diff:.3g}")
         for prep, t in zip((planned, looped), times):
-            pct = " ".join(f"{nbytes / v / 1e6 / ceil * 100:5.1f}" for v in t)
-            print(f"   {prep.plan.tier:8s} {pct} % ({min(t):.4f} ms; {prep.plan.kernel})")
+            print(f"   {prep.plan.tier:8s} {pct(nbytes, t, ceil)} % ({min(t):.4f} ms; {prep.plan.kernel})")
         sys.stdout.flush()
         x = m = outs = runs = None
         torch.cuda.empty_cache()

@@ -15,7 +15,6 @@ registers and blocks per SM.  Prints only; writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -36,23 +35,16 @@ CASES = [
 ]
 
 
-def _pct(nbytes: float, times: list[float], ceil: float) -> str:
-    return " ".join(f"{nbytes / t / 1e6 / ceil * 100:5.1f}" for t in times)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=25, help="timed calls per median (default 25)")
-    ap.add_argument("--only", nargs="*", default=[], help="cases whose name holds one of these words")
-    args = ap.parse_args(argv)
+    from long_rows import cuda_torch, operand, pct, tier_args
 
-    import torch
+    args = tier_args(__doc__, argv, 25)
 
+    torch = cuda_torch()
+    if torch is None:
+        return 2
     from drvsoftmax import _core, _driver, _plan
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
     dev = _driver.device(torch.cuda.current_device())
     if dev.cc < _plan.PIPE_MIN_CC:
         print(f"the pipelined register tier needs sm_{_plan.PIPE_MIN_CC}+, this GPU is {dev.arch}", file=sys.stderr)
@@ -67,15 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     ceil = _copy_ceiling(torch, args.reps)
     print(f"{dev.name}, copy ceiling {ceil:.0f} GB/s", flush=True)
 
-    def op(t) -> _core.Operand:
-        return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
-
     def prepared(x, mask, causal, y, force: bool) -> _core.Prepared:
         saved = _plan.PIPE_MIN_CC, _plan.FORCE_PIPE
         _plan.PIPE_MIN_CC, _plan.FORCE_PIPE = (saved[0], True) if force else (10**9, False)
         try:
-            m = None if mask is None else op(mask)
-            return _core.prepare_forward(dev, op(x), op(y), m, None, causal, 0.125, True, True)
+            m = None if mask is None else operand(mask)
+            return _core.prepare_forward(dev, operand(x), operand(y), m, None, causal, 0.125, True, True)
         finally:
             _plan.PIPE_MIN_CC, _plan.FORCE_PIPE = saved
 
@@ -125,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             t_reg.append(med(run_reg))
             t_pipe.append(med(run_pipe))
         print(f"{name}: same bits {same}")
-        print(f"   register {_pct(nbytes, t_reg, ceil)} % ({min(t_reg):.4f} ms; {reg.plan.kernel}, {regs(reg)})")
-        print(f"   pipe     {_pct(nbytes, t_pipe, ceil)} % ({min(t_pipe):.4f} ms; {regs(pipe)}, grid {pipe.grid})")
+        print(f"   register {pct(nbytes, t_reg, ceil)} % ({min(t_reg):.4f} ms; {reg.plan.kernel}, {regs(reg)})")
+        print(f"   pipe     {pct(nbytes, t_pipe, ceil)} % ({min(t_pipe):.4f} ms; {regs(pipe)}, grid {pipe.grid})")
         sys.stdout.flush()
         x = mask = y1 = y2 = None
         torch.cuda.empty_cache()

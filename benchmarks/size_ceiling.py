@@ -11,7 +11,6 @@ a copy of 1 GiB timed in the same run.  Prints only; writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,15 +33,12 @@ SHAPES = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=30, help="timed calls per median (default 30)")
-    args = ap.parse_args(argv)
+    from long_rows import _copy_ceiling, _median_ms, cuda_torch, tier_args
 
-    import torch
-    from long_rows import _copy_ceiling, _median_ms
+    args = tier_args(__doc__, argv, 30, only=False)
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    torch = cuda_torch()
+    if torch is None:
         return 2
     big = _copy_ceiling(torch, args.reps)
     print(f"{torch.cuda.get_device_name()}: copy of 1 GiB {big:.0f} GB/s")

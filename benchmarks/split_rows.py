@@ -15,7 +15,6 @@ registers and blocks per SM.  Prints only; writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -44,23 +43,16 @@ CASES = [
 ]
 
 
-def _pct(nbytes: float, times: list[float], ceil: float) -> str:
-    return " ".join(f"{nbytes / t / 1e6 / ceil * 100:5.1f}" for t in times)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=15, help="timed calls per median (default 15)")
-    ap.add_argument("--only", nargs="*", default=[], help="cases whose name holds one of these words")
-    args = ap.parse_args(argv)
+    from long_rows import cuda_torch, operand, pct, tier_args
 
-    import torch
+    args = tier_args(__doc__, argv, 15)
 
+    torch = cuda_torch()
+    if torch is None:
+        return 2
     from drvsoftmax import _core, _driver, _plan
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
     dev = _driver.device(torch.cuda.current_device())
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -72,17 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ceil = _copy_ceiling(torch, args.reps)
     print(f"{dev.name}, copy ceiling {ceil:.0f} GB/s", flush=True)
 
-    def op(t) -> _core.Operand:
-        return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
-
     def prepared(kind, a, b, c, force: bool) -> _core.Prepared:
         saved = _plan.FORCE_SPLIT, _plan.SPLIT
         _plan.FORCE_SPLIT, _plan.SPLIT = force, force
         try:
             if kind == "bwd":
-                return _core.prepare_backward(dev, op(a), op(b), op(c), 0.125, True)
+                return _core.prepare_backward(dev, operand(a), operand(b), operand(c), 0.125, True)
             return _core.prepare_forward(
-                dev, op(a), op(c), None if b is None else op(b), None, False, 0.125, True, True
+                dev, operand(a), operand(c), None if b is None else operand(b), None, False, 0.125, True, True
             )
         finally:
             _plan.FORCE_SPLIT, _plan.SPLIT = saved
@@ -136,11 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             t_split.append(med(run_split))
         print(f"{name}: max |difference| {diff:.3g} (max |out| {scale:.3g})")
         print(
-            f"   {base.plan.tier:8s} {_pct(nbytes, t_base, ceil)} % ({min(t_base):.4f} ms; {base.plan.kernel}, {regs(base)})"
+            f"   {base.plan.tier:8s} {pct(nbytes, t_base, ceil)} % ({min(t_base):.4f} ms; {base.plan.kernel}, {regs(base)})"
         )
-        print(
-            f"   split    {_pct(nbytes, t_split, ceil)} % ({min(t_split):.4f} ms; {split.plan.kernel}, {regs(split)})"
-        )
+        print(f"   split    {pct(nbytes, t_split, ceil)} % ({min(t_split):.4f} ms; {split.plan.kernel}, {regs(split)})")
         sys.stdout.flush()
         x = a = b = o1 = o2 = None
         torch.cuda.empty_cache()

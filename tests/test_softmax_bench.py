@@ -456,3 +456,37 @@ def test_plan_note_names_the_tier_of_the_gpu_it_ran_on():
     assert "loop tier" in runner.plan_note(drvsoftmax, long, "sm_80")
     short = next(c for c in C.all_cases() if c.name == "fwd-f16-sk16384")
     assert runner.plan_note(drvsoftmax, short, "sm_90").startswith("plan: register tier")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.parametrize("script", ["long_rows", "loop_rows", "pipe_rows", "split_rows", "size_ceiling"])
+def test_tier_scripts_parse_their_arguments_and_stop_without_a_gpu(script, capsys):
+    """The scripts that time one tier beside another import on any machine, take their
+    arguments, and without a CUDA GPU (or without torch) stop with status 2 and say what
+    they need."""
+    if _cuda_available():
+        pytest.skip("a CUDA GPU is here: the scripts would run")
+    import importlib
+
+    mod = importlib.import_module(script)
+    assert mod.main(["--reps", "1"]) == 2
+    assert "needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.main(["--reps", "one"])  # argparse refuses it
+
+
+def test_tier_script_helpers():
+    """The shared helpers of the tier scripts: % of copy per time, and --only."""
+    import long_rows
+
+    assert long_rows.pct(2e9, [1.0, 2.0], 4000.0) == " 50.0  25.0"
+    args = long_rows.tier_args("doc", ["--only", "a", "b"], 7)
+    assert args.reps == 7 and args.only == ["a", "b"]
+    assert not hasattr(long_rows.tier_args("doc", [], 3, only=False), "only")
