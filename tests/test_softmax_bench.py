@@ -490,3 +490,16 @@ def test_tier_script_helpers():
     args = long_rows.tier_args("doc", ["--only", "a", "b"], 7)
     assert args.reps == 7 and args.only == ["a", "b"]
     assert not hasattr(long_rows.tier_args("doc", [], 3, only=False), "only")
+
+
+def test_host_launch_script_parses_its_arguments_and_stops_without_a_gpu(capsys):
+    """benchmarks/host_launch.py imports on any machine, takes --calls and --repeats, and
+    without a CUDA GPU (or without torch) stops with status 2 and says what it needs."""
+    if _cuda_available():
+        pytest.skip("a CUDA GPU is here: the script would run")
+    import host_launch
+
+    assert host_launch.main(["--calls", "1", "--repeats", "1"]) == 2
+    assert "needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        host_launch.main(["--calls", "one"])  # argparse refuses it
