@@ -196,3 +196,27 @@ def plan_of(backward: bool, rows: int, sk: int, dtype: str, mask_kind: str, alig
     if backward:
         return _plan.plan_backward(rows, sk, dtype, True, aligned, caps)
     return _plan.plan_forward(rows, sk, dtype, mask_kind, True, aligned, caps)
+
+
+def to_numpy(t) -> np.ndarray:
+    """A torch tensor's values as a host NumPy array (bfloat16 as float32, which holds it exactly)."""
+    import torch
+
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def operand(t):
+    """The drvsoftmax core's Operand of a torch tensor: data pointer, dtype name, shape, element strides."""
+    from drvsoftmax import _core
+
+    return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
+
+
+def cuda_device():
+    """drvsoftmax's Device for torch's current CUDA device."""
+    import torch
+
+    from drvsoftmax import _driver
+
+    return _driver.device(torch.cuda.current_device())

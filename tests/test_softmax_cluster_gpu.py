@@ -14,6 +14,7 @@ import functools
 import numpy as np
 import pytest
 from helpers import LONG_ROW_MASK_KINDS, assert_backward_matches, assert_matches, long_row_mask, torch_cuda_available
+from helpers import to_numpy as _np
 
 import drvsoftmax
 from drvsoftmax import _core, _driver, _plan, _reference
@@ -35,13 +36,6 @@ _gen = np.random.default_rng(20261130)
 @functools.lru_cache(maxsize=1)
 def _caps() -> _plan.DeviceCaps:
     return _driver.device(torch.cuda.current_device()).caps
-
-
-def _np(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.numpy()
 
 
 def _rand(shape, dtype, scale=3.0):

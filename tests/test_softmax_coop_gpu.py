@@ -16,9 +16,12 @@ import functools
 import numpy as np
 import pytest
 from helpers import LONG_ROW_MASK_KINDS, assert_backward_matches, assert_matches, long_row_mask, torch_cuda_available
+from helpers import cuda_device as _dev
+from helpers import operand as _op
+from helpers import to_numpy as _np
 
 import drvsoftmax
-from drvsoftmax import _core, _driver, _plan, _reference
+from drvsoftmax import _core, _plan, _reference
 
 torch = pytest.importorskip("torch")
 
@@ -46,28 +49,13 @@ def _force_coop(monkeypatch):
     _forget()
 
 
-def _dev() -> _driver.Device:
-    return _driver.device(torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=1)
 def _caps() -> _plan.DeviceCaps:
     return _dev().caps
 
 
-def _np(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.numpy()
-
-
 def _rand(shape, dtype, scale=3.0):
     return torch.from_numpy(_gen.standard_normal(shape) * scale).to(dtype).cuda()
-
-
-def _op(t):
-    return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
 
 
 def _fwd_prepared(x, mask=None, *, causal=False, key_lengths=None, out=None, scale=1.0) -> _core.Prepared:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from helpers import assert_backward_matches, assert_matches
 from helpers import requires_torch_cuda as requires_cuda
+from helpers import to_numpy as _np
 
 import drvsoftmax
 from drvsoftmax import _reference
@@ -41,13 +42,6 @@ MASKS = [
 ]
 
 _gen = np.random.default_rng(20261129)
-
-
-def _np(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.numpy()
 
 
 def _shape_for(sk: int):

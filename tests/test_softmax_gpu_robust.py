@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import assert_backward_matches, assert_matches, requires_cuda, run_in_threads
+from helpers import to_numpy as _np
 
 import drvsoftmax
 from drvsoftmax import _reference
@@ -24,11 +25,6 @@ torch = pytest.importorskip("torch")
 pytestmark = requires_cuda
 ROOT = Path(__file__).resolve().parents[1]
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _np(t):
-    t = t.detach().cpu()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _need_bytes(n):

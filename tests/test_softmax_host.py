@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -164,3 +165,18 @@ def test_launch_error_is_raised_not_retried(fake_cuda, monkeypatch):
     with pytest.raises(drvsoftmax.CudaDriverError, match="cuLaunchKernel"):
         dt.scaled_masked_softmax(_x(), scale=0.5)
     assert len(drv.launches) == 1
+
+
+def test_gpu_test_helpers_describe_tensors():
+    """The GPU tests' shared helpers, on CPU tensors: host values (bfloat16 as float32, exact)
+    and the core's Operand of a strided view."""
+    from helpers import operand, to_numpy
+
+    x = torch.randn(3, 4, 5).to(torch.bfloat16)
+    v = x.transpose(0, 2)
+    got = to_numpy(v)
+    assert got.dtype == np.float32 and got.shape == (5, 4, 3)
+    assert np.array_equal(got, v.float().numpy())
+    assert to_numpy(x.half()).dtype == np.float16
+    op = operand(v)
+    assert op == _core.Operand(x.data_ptr(), "bfloat16", (5, 4, 3), (1, 5, 20))

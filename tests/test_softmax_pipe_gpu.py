@@ -14,9 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import assert_matches, torch_cuda_available
+from helpers import cuda_device as _dev
+from helpers import operand as _op
+from helpers import to_numpy as _np
 
 import drvsoftmax
-from drvsoftmax import _core, _driver, _plan, _reference
+from drvsoftmax import _core, _plan, _reference
 
 torch = pytest.importorskip("torch")
 
@@ -43,21 +46,6 @@ def _force_pipe(monkeypatch):
     _forget()
     yield
     _forget()
-
-
-def _dev() -> _driver.Device:
-    return _driver.device(torch.cuda.current_device())
-
-
-def _np(t):
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.numpy()
-
-
-def _op(t):
-    return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
 
 
 def _prepared(x, mask, causal, key_lengths, out, scale) -> _core.Prepared:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import assert_matches, torch_cuda_available
+from helpers import operand as _op
+from helpers import to_numpy as _np
 
 import drvsoftmax
 from drvsoftmax import _core, _driver, _plan, _reference
@@ -68,15 +70,6 @@ def tier_forced(monkeypatch, request):
     _forget()
     yield tier
     _forget()
-
-
-def _np(t):
-    t = t.detach().cpu()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-
-
-def _op(t):
-    return _core.Operand(t.data_ptr(), str(t.dtype).replace("torch.", ""), tuple(t.shape), tuple(t.stride()))
 
 
 def _run(x, mask, scale, tier, what):
