@@ -59,15 +59,16 @@ __all__ = [
 
 
 _tfront: Any = None  # drvsoftmax.torch, once a torch tensor has been seen
+_teager: Any = None  # its eager fast path (drvsoftmax.torch._eager), likewise
 
 
 def _torch_front(x: object) -> Any:
-    global _tfront
+    global _tfront, _teager
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         from . import torch as front
 
-        _tfront = front
+        _tfront, _teager = front, front._eager
         return front
     return None
 
@@ -155,6 +156,11 @@ def scaled_masked_softmax(
     Returns y of x's dtype and array type: a torch.Tensor (with autograd), a CuPy or Numba
     device array, a NumPy array, or ``out``.
     """
+    eager = _teager
+    if eager is not None and mask is None and key_lengths is None and out is None and stream is None:
+        y = eager(x, scale, causal)  # (None unless x is a torch tensor on the eager fast path)
+        if y is not None:
+            return y
     front = _tfront
     if front is None or not isinstance(x, front.Tensor):
         front = _torch_front(x)

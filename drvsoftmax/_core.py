@@ -545,6 +545,15 @@ _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 _INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
 
 
+def fast_entry(prep: Prepared) -> tuple[Any, ...]:
+    """What a front door's eager fast path keeps of a forward's prepared launch: (CUfunction,
+    grid, block, shared memory, parameter block address, prep), the first None unless the
+    launch is one plain cuLaunchKernel (not of the cluster, coop or split tier), which the
+    door then makes itself as `launch` would; else it calls `launch` with prep."""
+    plain = prep.cluster is None and prep.coop is None and prep.split is None and prep.nargs == 5
+    return (prep.func if plain else None, prep.grid, prep.block, prep.smem, prep.params_addr, prep)
+
+
 def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_ok: bool | None = None) -> None:
     """One cuLaunchKernel of a prepared launch with these pointers on `stream`.
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _args, _core, _driver, _dtypes, _reference
+from ._core import _pack5, _streams, _targs
 from ._errors import DrvSoftmaxError, arg_type_error, arg_value_error
 
 _DT = {getattr(torch, n): n for n in _dtypes.TABLE if hasattr(torch, n)}  # torch.dtype -> name
@@ -300,11 +301,21 @@ class _OutSpans:
 # (or _EMPTY) and, for out= calls, the overlap check of that layout.
 _prepared: dict[tuple[Any, ...], tuple[Any, _OutSpans | None]] = {}
 _EMPTY = object()
-# The eager fast path's launches: calls with x alone (no mask, key_lengths, out or stream),
-# a float scale and a bool causal, keyed by (x.shape, x.stride(), x.dtype, device,
-# x.data_ptr() % 16, scale, causal).  An entry is only made by a call that passed every
-# check on the full path (_forward_impl) with that key.
-_fast: dict[tuple[Any, ...], _core.Prepared] = {}
+# The eager fast path's launches (_eager): calls with x alone (no mask, key_lengths, out or
+# stream), a float scale and a bool causal, keyed by x's layout (_fast_key), device,
+# x.data_ptr() % 16, scale and causal.  An entry (_core.fast_entry) is only made by a call
+# that passed every check on the full path (_forward_impl) with that key.
+_fast: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _fast_key(x: Tensor, dev: int, xp: int, scale: float, causal: bool) -> tuple[Any, ...]:
+    """The _fast key of x.  A contiguous x is keyed without its strides: torch calls x
+    contiguous whatever the strides of its size-1 dims, which never move an element, so
+    every contiguous x of one shape addresses its elements (and torch.empty_like(x) its
+    output's) alike.  (_eager builds the same key inline.)"""
+    if x.is_contiguous():
+        return (x.shape, x.dtype, dev, xp & 15, scale, causal)
+    return (x.shape, x.stride(), x.dtype, dev, xp & 15, scale, causal)
 
 
 def _forget_launches() -> None:
@@ -405,7 +416,7 @@ def _forward_impl(x: Tensor, mask: Any, scale: Any, causal: Any, key_lengths: An
         return y
     fast = mask is None and key_lengths is None and out is None and stream is None and type(scale) is float
     if fast and (causal is False or causal is True):
-        _fast[(x.shape, x.stride(), x.dtype, dev, xp & 15, scale, causal)] = prep
+        _fast[_fast_key(x, dev, xp, scale, causal)] = _core.fast_entry(prep)
     if stream is None:
         s = _raw_stream(dev)
         ctx_ok: bool | None = s > 2 or _current_device() == dev
@@ -658,6 +669,49 @@ def _refuse_out_with_grad(out: Any, grad: bool, what: str) -> None:
         raise arg_value_error("out", f"None when {what} requires grad (out= cannot be differentiated)", "a tensor")
 
 
+def _eager(x: Any, scale: Any, causal: Any) -> Tensor | None:
+    """The eager fast path of a forward of x alone (no mask, key_lengths, out or stream):
+    y, launched on the current stream, where x is a plain tensor that needs no autograd
+    and its layout, scale and causal were prepared before; else None (the full path then
+    checks and prepares)."""
+    if not (
+        type(x) is Tensor
+        and type(scale) is float
+        and (causal is False or causal is True)
+        and not (x.requires_grad and _grad_enabled())
+        and not _is_compiling()
+    ):
+        return None
+    try:
+        xp = x.data_ptr()
+        dev = x.get_device()
+        ent = _fast.get(
+            (x.shape, x.dtype, dev, xp & 15, scale, causal)
+            if x.is_contiguous()
+            else (x.shape, x.stride(), x.dtype, dev, xp & 15, scale, causal)
+        )
+    except (RuntimeError, NotImplementedError):  # tensors without strides or storage: the full path says why
+        return None
+    if ent is None:
+        return None
+    func, grid, block, smem, params, prep = ent
+    y = torch.empty_like(x)
+    s = _raw_stream(dev)
+    ctx_ok = s > 2 or _current_device() == dev
+    if func is not None and ctx_ok:
+        # A plain launch in a context that is current (see _core.launch): inline.
+        st = _streams.get(s)
+        if st is not None:
+            buf, argv = _targs.a5
+            _pack5(buf, 32, params, xp, y.data_ptr(), 0, 0)
+            err = _core._drv.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, st, argv, 0)[0]
+            if err:
+                _core._relaunch(prep, argv, s, err)
+            return y
+    _core.launch(prep, xp, y.data_ptr(), 0, 0, s, ctx_ok)
+    return y
+
+
 def scaled_masked_softmax(
     x: Tensor,
     mask: Tensor | None = None,
@@ -669,28 +723,9 @@ def scaled_masked_softmax(
     stream: object = None,
 ) -> Tensor:
     """See :func:`drvsoftmax.scaled_masked_softmax`."""
-    if (
-        mask is None
-        and key_lengths is None
-        and out is None
-        and stream is None
-        and type(x) is Tensor
-        and type(scale) is float
-        and (causal is False or causal is True)
-        and not (x.requires_grad and _grad_enabled())
-        and not _is_compiling()
-    ):
-        # The eager fast path: a layout seen before, x alone, no autograd.
-        try:
-            xp = x.data_ptr()
-            dev = x.get_device()
-            prep = _fast.get((x.shape, x.stride(), x.dtype, dev, xp & 15, scale, causal))
-        except (RuntimeError, NotImplementedError):  # tensors without strides or storage: the full path says why
-            prep = None
-        if prep is not None:
-            y = torch.empty_like(x)
-            s = _raw_stream(dev)
-            _core.launch(prep, xp, y.data_ptr(), 0, 0, s, s > 2 or _current_device() == dev)
+    if mask is None and key_lengths is None and out is None and stream is None:
+        y = _eager(x, scale, causal)
+        if y is not None:
             return y
     if not isinstance(x, Tensor):
         raise arg_type_error("x", "a torch.Tensor", type(x).__name__)

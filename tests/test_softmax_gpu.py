@@ -290,6 +290,36 @@ def test_non_default_stream_and_explicit_stream_argument():
     assert_matches(_np(y2), ref, "float16", "stream=int")
 
 
+@pytest.mark.parametrize("sk", [128, 1000, 40000])
+def test_repeated_eager_calls_on_the_fast_path(sk):
+    """A layout seen before launches from the eager fast path: contiguous x (also with an
+    odd stride on a size-1 dim, which shares the entry), a strided x, causal, and on a
+    non-default stream; every output poisoned first (freed NaN blocks the allocator hands
+    out again) and checked against the reference."""
+    import drvsoftmax.torch as dt
+
+    base = _rand((1, 3, 5, sk), torch.bfloat16)
+    odd = base.as_strided(base.shape, (7,) + base.stride()[1:])
+    strided = _rand((1, 5, 3, sk), torch.bfloat16).transpose(1, 2)
+    s = torch.cuda.Stream()
+    for x, causal in ((base, False), (odd, False), (strided, False), (base, True), (strided, True)):
+        ref = _reference.softmax_forward(_np(x), None, 0.6, causal)
+        for i in range(3):
+            for _ in range(4):  # freed blocks of NaN for torch.empty_like to take
+                torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda")
+            if i == 2:
+                with torch.cuda.stream(s):
+                    y = drvsoftmax.scaled_masked_softmax(x, scale=0.6, causal=causal)
+                s.synchronize()
+            else:
+                y = dt.scaled_masked_softmax(x, scale=0.6, causal=causal)
+                torch.cuda.synchronize()
+            assert y.shape == x.shape and y.stride() == torch.empty_like(x).stride()
+            assert_matches(_np(y), ref, "bfloat16", f"call {i} of Sk={sk} {tuple(x.stride())} causal={causal}")
+    keys = [k for k in dt._fast if k[0] == base.shape or k[0] == strided.shape]
+    assert len(keys) >= 4, "the fast path kept no entry for these layouts"
+
+
 # ----------------------------------------------------------------------------------
 # Backward
 

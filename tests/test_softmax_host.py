@@ -42,6 +42,10 @@ class _Driver:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
+    return _driver_fakes(monkeypatch)
+
+
+def _driver_fakes(monkeypatch):
     drv = _Driver()
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
@@ -165,6 +169,70 @@ def test_launch_error_is_raised_not_retried(fake_cuda, monkeypatch):
     with pytest.raises(drvsoftmax.CudaDriverError, match="cuLaunchKernel"):
         dt.scaled_masked_softmax(_x(), scale=0.5)
     assert len(drv.launches) == 1
+
+
+def test_fast_path_keys_a_contiguous_x_by_its_shape(fake_cuda, monkeypatch):
+    """Contiguous x of one shape share an entry whatever the strides of their size-1 dims
+    (torch.empty_like keeps those strides; no element moves); a strided x has its own."""
+    x = _x((1, 3, 8, 64))
+    dt.scaled_masked_softmax(x, scale=0.5)
+    full = fake_cuda.launches[-1]
+    odd = x.as_strided(x.shape, (7, 512, 64, 1))  # the size-1 dim's stride is never used
+    assert odd.is_contiguous() and odd.stride() != x.stride()
+
+    def no_full_path(*a, **k):
+        raise AssertionError("the full path ran for a contiguous layout of a shape seen before")
+
+    monkeypatch.setattr(dt, "_forward_impl", no_full_path)
+    y = drvsoftmax.scaled_masked_softmax(odd, scale=0.5)
+    fast = fake_cuda.launches[-1]
+    assert len(dt._fast) == 1 and (fast["f"], fast["params"]) == (full["f"], full["params"])
+    assert fast["ptrs"] == [x.data_ptr(), y.data_ptr(), 0, 0] and y.is_contiguous()
+    monkeypatch.undo()
+    # (undo dropped the fixture too: set it up again for a strided x of that shape)
+    fake_cuda = _driver_fakes(monkeypatch)
+    dt.scaled_masked_softmax(x, scale=0.5)
+    dt.scaled_masked_softmax(x.transpose(1, 2).contiguous().transpose(1, 2), scale=0.5)
+    assert len(dt._fast) == 2 and len(fake_cuda.launches) == 2
+
+
+def test_fast_path_relaunches_and_raises_as_the_launcher_does(fake_cuda, monkeypatch):
+    """The fast path's own cuLaunchKernel: a CUfunction refused for its context is launched
+    again through the CUkernel; any other error is raised, not retried."""
+    x = _x()
+    dt.scaled_masked_softmax(x, scale=0.5)
+    assert len(dt._fast) == 1
+    drv = _PickyDriver(400)
+    monkeypatch.setattr(_core, "_drv", drv)
+    y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+    assert [launch["f"].split("<")[0] for launch in drv.launches] == ["CUfunction", "CUkernel"]
+    assert drv.launches[-1]["ptrs"] == [x.data_ptr(), y.data_ptr(), 0, 0]
+    monkeypatch.setattr(_core, "_drv", _PickyDriver(700))
+    with pytest.raises(drvsoftmax.CudaDriverError, match="cuLaunchKernel"):
+        dt.scaled_masked_softmax(x, scale=0.5)
+
+
+def test_fast_path_leaves_other_launches_to_the_launcher(fake_cuda, monkeypatch):
+    """A tier launched otherwise than by one cuLaunchKernel (cluster, coop, split), or the
+    default stream while another device is current, goes through _core.launch."""
+    x = _x()
+    dt.scaled_masked_softmax(x, scale=0.5)
+    ((key, ent),) = dt._fast.items()
+    prep = ent[-1]
+    assert ent[:5] == (prep.func, prep.grid, prep.block, prep.smem, prep.params_addr)
+    calls = []
+    monkeypatch.setattr(_core, "launch", lambda *a: calls.append(a))
+    monkeypatch.setattr(dt, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(dt, "_current_device", lambda: 1)
+    y = dt.scaled_masked_softmax(x, scale=0.5)
+    assert calls == [(prep, x.data_ptr(), y.data_ptr(), 0, 0, 0, False)]
+    monkeypatch.setattr(dt, "_current_device", lambda: 0)
+    prep.cluster = object()
+    dt._fast[key] = _core.fast_entry(prep)
+    assert dt._fast[key][0] is None
+    y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
+    assert calls[-1] == (prep, x.data_ptr(), y.data_ptr(), 0, 0, 0, True)
+    assert len(fake_cuda.launches) == 1
 
 
 def test_gpu_test_helpers_describe_tensors():
