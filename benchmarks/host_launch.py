@@ -8,7 +8,8 @@ Needs a CUDA GPU and PyTorch with CUDA.  The launch is the one the eager torch c
 `drvsoftmax.torch.scaled_masked_softmax(x, scale=0.125)` prepares for x `[1,12,128,128]`
 fp16; every row launches that kernel with the same argument slots on torch's current
 stream, back to back (no per-call sync; one sync closes each run), and prints the median
-(min) microseconds per call over REPEATS runs of CALLS calls:
+(min) microseconds per call over REPEATS runs of CALLS calls, the rows taking turns run by
+run (a host whose speed drifts slows every row alike):
 
     cuLaunchKernel (CUfunction)       11 arguments: function, grid, block, shared memory,
                                       CUstream object, kernelParams address, extra
@@ -17,8 +18,9 @@ stream, back to back (no per-call sync; one sync closes each run), and prints th
     cuLaunchKernelEx (stream set)     the same config with its stream assigned per call
     _core.launch                      drvsoftmax's launcher (argument slots written per call)
 
-It then checks that the last launch of each form wrote the right y.  Prints only; writes
-nothing.
+Before the timing, one launch of each form writes a y poisoned with NaN, checked against
+torch.softmax: a form that fails is marked WRONG and the script exits 1.  Prints only;
+writes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from host_torch import CALLS, REPEATS, SCALE, SHAPE, time_us  # noqa: E402
+from host_torch import CALLS, REPEATS, SCALE, SHAPE, time_rows_us  # noqa: E402
 from long_rows import cuda_torch  # noqa: E402
 
 
@@ -85,16 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         "_core.launch": lambda: _core.launch(prep, xp, yp, 0, 0, stream, True),
     }
     print(f"host us per launch, x {list(SHAPE)} float16 ({prep.plan.kernel}); {torch.cuda.get_device_name()}")
-    print(f"median (min) of {a.repeats} x {a.calls} back-to-back calls")
-    bad = 0
+    print(f"median (min) of {a.repeats} x {a.calls} back-to-back calls, the rows taking turns")
+    checks = {}
     for name, fn in rows.items():
         y.fill_(float("nan"))
-        err = fn()[0] if name != "_core.launch" else 0  # type: ignore[index]
+        out = fn()  # (the cuda.bindings forms return (CUresult,); the launcher raises instead)
+        err = int(out[0]) if isinstance(out, tuple) else 0
         torch.cuda.synchronize()
         diff = (y.float() - ref).abs().max().item()
-        ok = int(err) == 0 and diff < 1e-3
+        checks[name] = (err == 0 and diff < 1e-3, err, diff)
+    bad = 0
+    for name, (med, lo) in time_rows_us(rows, torch.cuda.synchronize, a.calls, a.repeats).items():
+        ok, err, diff = checks[name]
         bad += not ok
-        med, lo = time_us(fn, torch.cuda.synchronize, a.calls, a.repeats)
         print(f"  {name:<30} {med:7.2f} us  ({lo:.2f})  {'ok' if ok else f'WRONG: error {err}, max diff {diff}'}")
     return 1 if bad else 0
 

@@ -5,7 +5,8 @@
     python benchmarks/host_torch.py --stub     # on any machine: the Python overhead alone
 
 Each row is the median over REPEATS runs of CALLS back-to-back calls (no per-call sync; one
-sync closes each run), in microseconds per call:
+sync closes each run; the rows take turns run by run, so that a host whose speed drifts
+slows every row alike), in microseconds per call:
 
     drvsoftmax.torch      drvsoftmax.torch.scaled_masked_softmax(x, scale=s)
     drvsoftmax            drvsoftmax.scaled_masked_softmax(x, scale=s) (the framework-agnostic door)
@@ -38,25 +39,29 @@ SCALE = 0.125
 CALLS, REPEATS = 2000, 9
 
 
-def time_us(
-    fn: Callable[[], object],
+def time_rows_us(
+    rows: dict[str, Callable[[], object]],
     sync: Callable[[], None],
     calls: int,
     repeats: int,
     clock: Callable[[], float] = time.perf_counter,
-) -> tuple[float, float]:
-    """(median, min) microseconds per call over `repeats` runs of `calls` back-to-back calls."""
-    for _ in range(min(200, calls)):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        t = clock()
-        for _ in range(calls):
+) -> dict[str, tuple[float, float]]:
+    """(median, min) microseconds per call of each row over `repeats` runs of `calls`
+    back-to-back calls.  The rows take turns run by run, so that a host whose speed drifts
+    during the measurement (other tenants, clocks) slows every row alike."""
+    for fn in rows.values():
+        for _ in range(min(200, calls)):
             fn()
-        sync()
-        samples.append((clock() - t) / calls * 1e6)
-    return statistics.median(samples), min(samples)
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            t = clock()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples[name].append((clock() - t) / calls * 1e6)
+    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
 
 
 class _NoDriver:
@@ -150,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.stub:
             rows["torch.softmax"] = lambda: torch.softmax(x, -1)
         print(f"host us per call, x {list(SHAPE)} float16, no mask, no grad; {where}")
-        print(f"median (min) of {a.repeats} x {a.calls} back-to-back calls")
-        for name, fn in rows.items():
-            med, lo = time_us(fn, sync, a.calls, a.repeats, clock)
+        print(f"median (min) of {a.repeats} x {a.calls} back-to-back calls, the rows taking turns")
+        for name, (med, lo) in time_rows_us(rows, sync, a.calls, a.repeats, clock).items():
             print(f"  {name:<18} {med:7.2f} us  ({lo:.2f})")
     return 0
 

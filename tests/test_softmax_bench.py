@@ -503,3 +503,45 @@ def test_host_launch_script_parses_its_arguments_and_stops_without_a_gpu(capsys)
     assert "needs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         host_launch.main(["--calls", "one"])  # argparse refuses it
+
+
+def test_host_times_take_turns_and_leave_out_a_failing_provider():
+    """The host section's timing: providers take turns run by run; one that raises (on its
+    first calls or later) is reported with its exception and the others are still timed;
+    host_torch.py's rows take turns the same way."""
+    import time
+
+    import host_torch
+    from softbench import timing as T
+
+    seq = []
+
+    class Dev:
+        def sync(self):
+            seq.append("sync")
+
+    def call(name, fail_after=None):
+        n = [0]
+
+        def fn():
+            n[0] += 1
+            if fail_after is not None and n[0] > fail_after:
+                raise RuntimeError(f"{name} broke")
+            seq.append(name)
+
+        return fn
+
+    fns = {"a": call("a"), "dead": call("dead", 0), "late": call("late", 4), "b": call("b")}
+    got = T.host_times_us(Dev(), fns, calls=2, repeats=3)
+    assert list(got) == ["a", "dead", "late", "b"]
+    assert isinstance(got["dead"], RuntimeError) and isinstance(got["late"], RuntimeError)
+    for name in ("a", "b"):
+        med, lo = got[name]
+        assert 0 < lo <= med
+    timed = [s for s in seq if s != "sync"][6:]  # after the warm-up calls (2 each of a, late, b)
+    # turns a, late, b, a, b, ...: late ran its first run and broke in its second
+    assert timed == ["a", "a", "late", "late", "b", "b"] + ["a", "a", "b", "b"] * 2, timed
+    rows = {"x": lambda: seq.append("x"), "y": lambda: seq.append("y")}
+    seq.clear()
+    res = host_torch.time_rows_us(rows, lambda: None, 2, 2, time.perf_counter)
+    assert set(res) == {"x", "y"} and seq[4:] == ["x", "x", "y", "y", "x", "x", "y", "y"]

@@ -80,19 +80,39 @@ def gpu_time_ms(torch, fn, argsets: list) -> tuple[float, int]:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), reps
 
 
-def host_time_us(dev, fn, calls: int = HOST_CALLS, repeats: int = HOST_REPEATS) -> tuple[float, float]:
-    """(median, min) microseconds per call over `repeats` runs of `calls` back-to-back calls."""
-    for _ in range(min(HOST_WARMUP, calls)):
-        fn()
-    dev.sync()
-    samples = []
+def host_times_us(
+    dev, fns: dict, calls: int = HOST_CALLS, repeats: int = HOST_REPEATS
+) -> dict[str, tuple[float, float] | Exception]:
+    """Per provider, (median, min) microseconds per call over `repeats` runs of `calls`
+    back-to-back calls, or the exception its calls raised.  The providers take turns run by
+    run, so that a host whose speed drifts during the section slows every provider alike."""
+    out: dict[str, tuple[float, float] | Exception] = {}
+    live = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(min(HOST_WARMUP, calls)):
+                fn()
+            dev.sync()
+        except Exception as e:  # this provider is left out; the others go on
+            out[name] = e
+        else:
+            live[name] = fn
+    samples: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        dev.sync()
-        samples.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(samples), min(samples)
+        for name, fn in list(live.items()):
+            t = time.perf_counter()
+            try:
+                for _ in range(calls):
+                    fn()
+                dev.sync()
+            except Exception as e:
+                out[name] = e
+                del live[name], samples[name]
+                continue
+            samples[name].append((time.perf_counter() - t) / calls * 1e6)
+    for name, v in samples.items():
+        out[name] = (statistics.median(v), min(v))
+    return {name: out[name] for name in fns}
 
 
 def copy_ceiling(dev, nbytes: int = COPY_BYTES) -> tuple[float, float]:
