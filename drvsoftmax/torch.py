@@ -669,6 +669,12 @@ def _refuse_out_with_grad(out: Any, grad: bool, what: str) -> None:
         raise arg_value_error("out", f"None when {what} requires grad (out= cannot be differentiated)", "a tensor")
 
 
+# Measured on the H200 host (benchmarks/host_torch.py and host_launch.py, rows taking turns,
+# commit db65073): 7.93 us per call through drvsoftmax.scaled_masked_softmax, of which the
+# cuda.bindings cuLaunchKernel is 3.84 and torch.empty_like 1.84 (torch.softmax 6.25).
+# Not taken yet: cuLaunchKernelEx with a CUlaunchConfig per prepared launch and stream (4.90
+# against 5.19 us for cuLaunchKernel in that run; a config shared across threads may not
+# have its stream set per call).
 def _eager(x: Any, scale: Any, causal: Any) -> Tensor | None:
     """The eager fast path of a forward of x alone (no mask, key_lengths, out or stream):
     y, launched on the current stream, where x is a plain tensor that needs no autograd
