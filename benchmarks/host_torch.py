@@ -67,8 +67,15 @@ def time_rows_us(
 class _NoDriver:
     """cuda.bindings.driver with every launch a no-op (for --stub without a driver library)."""
 
+    class CUlaunchConfig:
+        pass
+
     @staticmethod
     def cuLaunchKernel(*args: object) -> tuple[int]:
+        return (0,)
+
+    @staticmethod
+    def cuLaunchKernelEx(*args: object) -> tuple[int]:
         return (0,)
 
 

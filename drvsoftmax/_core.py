@@ -547,11 +547,27 @@ _INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
 
 def fast_entry(prep: Prepared) -> tuple[Any, ...]:
     """What a front door's eager fast path keeps of a forward's prepared launch: (CUfunction,
-    grid, block, shared memory, parameter block address, prep), the first None unless the
-    launch is one plain cuLaunchKernel (not of the cluster, coop or split tier), which the
-    door then makes itself as `launch` would; else it calls `launch` with prep."""
+    launch configs by stream handle, parameter block address, prep), the first None unless
+    the launch is one plain kernel launch (not of the cluster, coop or split tier), which the
+    door then makes itself with cuLaunchKernelEx and the stream's config (`plain_config`) in
+    a context that is current; else it calls `launch` with prep."""
     plain = prep.cluster is None and prep.coop is None and prep.split is None and prep.nargs == 5
-    return (prep.func if plain else None, prep.grid, prep.block, prep.smem, prep.params_addr, prep)
+    return (prep.func if plain else None, {}, prep.params_addr, prep)
+
+
+def plain_config(prep: Prepared, stream: int) -> Any:
+    """The CUlaunchConfig of a plain launch of `prep` on the stream of handle `stream` (no
+    attributes), for cuLaunchKernelEx: cheaper through cuda.bindings than cuLaunchKernel's
+    eleven arguments (benchmarks/host_launch.py).  Built once per stream and never changed
+    after, so threads may share it."""
+    drv = _drv or _load_driver()
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = prep.grid, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = prep.block, 1, 1
+    cfg.sharedMemBytes = prep.smem
+    cfg.hStream = _stream_obj(stream)
+    cfg.numAttrs = 0
+    return cfg
 
 
 def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_ok: bool | None = None) -> None:
@@ -592,11 +608,12 @@ def launch(prep: Prepared, p0: int, p1: int, p2: int, p3: int, stream: int, ctx_
     _launch_in_context(prep, argv_addr, stream)
 
 
-def _relaunch(prep: Prepared, argv_addr: int, stream: int, err: Any) -> None:
-    """After the CUfunction's launch failed with `err`: the CUkernel, which the driver
-    resolves in the stream's (or the current) context, and the context pushed if none is."""
+def _relaunch(prep: Prepared, argv_addr: int, stream: int, err: Any, what: str = "cuLaunchKernel") -> None:
+    """After the CUfunction's launch (by `what`) failed with `err`: the CUkernel, which the
+    driver resolves in the stream's (or the current) context, and the context pushed if
+    none is."""
     if int(err) not in (_INVALID_CONTEXT, _INVALID_HANDLE):
-        check((err,), "cuLaunchKernel")
+        check((err,), what)
     drv = _drv or _load_driver()
     err2 = drv.cuLaunchKernel(
         prep.kernel, prep.grid, 1, 1, prep.block, 1, 1, prep.smem, _stream_obj(stream), argv_addr, 0

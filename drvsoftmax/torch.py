@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _args, _core, _driver, _dtypes, _reference
-from ._core import _pack5, _streams, _targs
+from ._core import _pack5, _targs
 from ._errors import DrvSoftmaxError, arg_type_error, arg_value_error
 
 _DT = {getattr(torch, n): n for n in _dtypes.TABLE if hasattr(torch, n)}  # torch.dtype -> name
@@ -672,9 +672,9 @@ def _refuse_out_with_grad(out: Any, grad: bool, what: str) -> None:
 # Measured on the H200 host (benchmarks/host_torch.py and host_launch.py, rows taking turns,
 # commit db65073): 7.93 us per call through drvsoftmax.scaled_masked_softmax, of which the
 # cuda.bindings cuLaunchKernel is 3.84 and torch.empty_like 1.84 (torch.softmax 6.25).
-# Not taken yet: cuLaunchKernelEx with a CUlaunchConfig per prepared launch and stream (4.90
-# against 5.19 us for cuLaunchKernel in that run; a config shared across threads may not
-# have its stream set per call).
+# Hence the launch by cuLaunchKernelEx with a CUlaunchConfig per prepared launch and stream
+# (4.90 against 5.19 us for cuLaunchKernel in that run; a config shared across threads may
+# not have its stream set per call, so each stream has its own).
 def _eager(x: Any, scale: Any, causal: Any) -> Tensor | None:
     """The eager fast path of a forward of x alone (no mask, key_lengths, out or stream):
     y, launched on the current stream, where x is a plain tensor that needs no autograd
@@ -700,20 +700,23 @@ def _eager(x: Any, scale: Any, causal: Any) -> Tensor | None:
         return None
     if ent is None:
         return None
-    func, grid, block, smem, params, prep = ent
+    func, configs, params, prep = ent
     y = torch.empty_like(x)
     s = _raw_stream(dev)
     ctx_ok = s > 2 or _current_device() == dev
     if func is not None and ctx_ok:
-        # A plain launch in a context that is current (see _core.launch): inline.
-        st = _streams.get(s)
-        if st is not None:
-            buf, argv = _targs.a5
-            _pack5(buf, 32, params, xp, y.data_ptr(), 0, 0)
-            err = _core._drv.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, st, argv, 0)[0]
-            if err:
-                _core._relaunch(prep, argv, s, err)
-            return y
+        # A plain launch in a context that is current (see _core.launch): made here.
+        cfg = configs.get(s)
+        if cfg is None:
+            if len(configs) >= 16:
+                configs.clear()
+            cfg = configs[s] = _core.plain_config(prep, s)
+        buf, argv = _targs.a5
+        _pack5(buf, 32, params, xp, y.data_ptr(), 0, 0)
+        err = _core._drv.cuLaunchKernelEx(cfg, func, argv, 0)[0]
+        if err:
+            _core._relaunch(prep, argv, s, err, "cuLaunchKernelEx")
+        return y
     _core.launch(prep, xp, y.data_ptr(), 0, 0, s, ctx_ok)
     return y
 
