@@ -62,10 +62,11 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 #   one block per SM instead of two: not clearly faster, so not taken without a GPU
 #   measurement.
 # - the bf16 lean kernel (8 chunks per thread, no mask, whole-chunk rows; see SMX_HELD_VALUES)
-#   on sm_75 to sm_90: held to 64 registers for four 256-thread blocks per SM, it keeps its
+#   on sm_75 to sm_89: held to 64 registers for four 256-thread blocks per SM, it keeps its
 #   32 registers of raw chunks and spills a few row values (the y row pointer among them:
-#   a store and a load per thread).  The fp16 one fits.  Measured on the H200 against the
-#   4-chunk kernel without spills: 94.5 against 81.8% of copy at Sk 16384, 95.6 against
+#   a store and a load per thread).  The fp16 one fits, and so does the bf16 one on sm_90
+#   (64 registers, no local memory with NVRTC 13.0 and 13.5).  Measured on the H200 against
+#   the 4-chunk kernel without spills: 94.5 against 81.8% of copy at Sk 16384, 95.6 against
 #   91.7 at 8192.
 # - the STORE of a row's partial first and last chunk as aligned 2/4/8-byte pieces (rows off
 #   the 16-byte grid: at most 4 stores where there were up to 7 element stores; on the H200
@@ -139,7 +140,6 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     "sm_86": _SM86_89,
     "sm_89": _SM86_89,
     "sm_90": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 28, 20),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
         "smx_fwd_loop<float, MaskHide<smx_u32>, 4>": (16, 12, 12),
         "smx_fwd_loop<float, MaskAdd<float>, 4>": (16, 12, 12),
