@@ -49,15 +49,17 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 
 
 # Kernels allowed local memory, by architecture: at most these (stack frame, spill stores,
-# spill loads) bytes each, the most ptxas reported with NVRTC 13.0 and 13.5 (13.5, which
-# `pip` installs today, spills a few more 16-bit kernels on sm_75, sm_100 and sm_120).
+# spill loads) bytes each, the most ptxas reported with NVRTC 13.0 (the build's pin) and 13.5
+# (which `pip` installs today) for the kernel sources of commit 6079bf0; an entry marked
+# with one version is local memory under that one alone.  Entries that neither reported
+# any more were dropped then, so that a kernel that starts to spill again fails here.
 # Every other kernel of every architecture must have no stack frame and no spills; a
 # kernel that starts spilling, or spills more, fails the test.  Why each is allowed:
 # - ptxas caps registers to keep occupancy (64 where two 512-thread blocks share an SM, 40
 #   for full occupancy on the 1536-thread SMs of sm_86/89/120) and spills a few values
-#   rather than cross the cap: the fp32 whole-chunk kernels of 4 or 8 chunks and the 16-bit
-#   ones of 2 chunks with an additive mask, some general fp32 kernels of 2 chunks, the
-#   backward's general 16-bit kernel of 2 rows x 2 chunks.  `__launch_bounds__(512, 1)`
+#   rather than cross the cap: the fp32 whole-chunk kernels of 4 or 8 chunks, some general
+#   fp32 kernels of 2 chunks, the backward's general 16-bit kernels of 2 rows x 2 chunks (and
+#   of 4 chunks on sm_120 with 13.5).  `__launch_bounds__(512, 1)`
 #   removes the spill of the fp32 8-chunk kernel with a bool mask on sm_80 at 80 registers,
 #   one block per SM instead of two: not clearly faster, so not taken without a GPU
 #   measurement.
@@ -77,59 +79,52 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 #   chunks on sm_100/120, and in the 8-byte-mask kernels below.
 # - edged rows (16-bit x, no mask, rows off the 16-byte grid; smx_fwd_edged in
 #   softmax_fwd.cu): the general kernels hold a lane's edge key (its index and value) beside
-#   their chunks.  The 4-chunk ones spill 8 bytes on sm_80/86/89 (16 on sm_120); the 8-chunk
-#   ones (edged rows in the lean shape, held to the lean kernels' 64 registers on sm_75 to
-#   sm_90) 4-56 bytes on every architecture.  On the H200 the 8-chunk kernels with 24 bytes
+#   their chunks.  The 4-chunk ones spill 8 bytes on sm_80/86/89 (and on sm_100/120 with
+#   13.5); the 8-chunk ones (edged rows in the lean shape, held to the lean kernels' 64
+#   registers on sm_75 to sm_90) 4-24 bytes on sm_75 to sm_90, 8 in bf16 on sm_120, none on
+#   sm_100.  On the H200 the 8-chunk kernels with 24 bytes
 #   of spills measured faster than at 80 registers without any (three blocks per SM): Sk
 #   4097 fp16 / bf16 92.9 / 91.8% of copy against 91.7 / 88.0, Sk 16383 91.8 / 90.2 against
 #   88.7 / 86.6; the kernels as built spill 8 / 0 bytes there.
 # - 8-byte masks (int64/uint64/float64, rare): a mask chunk is 2 to 4 times x's, so these
-#   kernels hold the most raw registers in flight, at the caps above (sm_100's looped tier:
-#   128) or at the hard 128 of a 512-thread row (fp32 rows of 8 chunks: 32 registers of x,
-#   64 of mask).
+#   kernels hold the most raw registers in flight, at the caps above or at the hard 128 of
+#   a 512-thread row (fp32 rows of 8 chunks: 32 registers of x, 64 of mask).
 # - the max subtracted before the exponent's scaling (smx_term: exact for scores of any
 #   size) is one instruction more per element where the values are held: 8 bytes more in
 #   the 4-chunk edged bf16 kernel on sm_86/89 and the fp32 8-chunk whole-chunk kernel on
 #   sm_75.  (Where the passes compute the values again, the shift folds into x * scale: the
 #   lean and edged lean kernels spill less than before, none on sm_90 in the lean one and
-#   at most 8 bytes on sm_120 in the edged ones; the bf16 edged one loads 4 bytes more on
-#   sm_80.)
+#   at most 8 bytes on sm_120 in the edged ones.)
 # sm_86 and sm_89 (the same SM: 1536 threads, 64K registers) report the same.
 _SM86_89: dict[str, tuple[int, int, int]] = {
-    "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
+    "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (8, 8, 8),
     "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
     "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
-    "smx_fwd<smx_f16, MaskAdd<double>, 2, 1, false>": (16, 16, 36),
-    "smx_fwd<smx_bf16, MaskAdd<double>, 2, 1, false>": (16, 16, 36),
-    "smx_fwd<float, MaskHide<smx_u8>, 2, 1, false>": (8, 4, 4),
+    "smx_fwd<float, MaskHide<smx_u8>, 2, 1, false>": (8, 4, 4),  # NVRTC 13.0 only
     "smx_fwd<float, MaskHide<smx_u16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd<float, MaskAdd<smx_f16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd<float, MaskAdd<smx_bf16>, 2, 1, false>": (8, 4, 4),
-    "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),
+    "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),  # NVRTC 13.5 only
     "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (8, 8, 12),
     "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),
     "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (8, 4, 4),
     "smx_fwd<smx_bf16, MaskNone, 4, 1, false>": (16, 16, 16),
-    # NVRTC 13.0 (not 13.5): 4 bytes under the 40-register cap of full occupancy.
-    "smx_fwd<smx_bf16, MaskNone, 2, 1, false>": (8, 4, 4),
+    "smx_fwd<smx_bf16, MaskNone, 2, 1, false>": (8, 4, 4),  # NVRTC 13.0 only
 }
 KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     "sm_75": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 40, 32),
-        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 8, 8),
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
+        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),  # NVRTC 13.5 only
         "smx_fwd<float, MaskNone, 8, 1, true>": (16, 16, 12),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
-        "smx_fwd_loop<float, MaskHide<smx_u16>, 4>": (8, 4, 4),
-        "smx_fwd_loop<float, MaskAdd<smx_f16>, 4>": (8, 4, 4),
-        "smx_fwd_loop<float, MaskAdd<smx_bf16>, 4>": (8, 4, 4),
         "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 16, 24),
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 16, 20),
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 12, 16),
     },
     "sm_80": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 40, 32),
-        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),
-        "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
+        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (16, 16, 12),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
         "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 16, 24),
@@ -141,75 +136,37 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     "sm_89": _SM86_89,
     "sm_90": {
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
-        "smx_fwd_loop<float, MaskHide<smx_u32>, 4>": (16, 12, 12),
-        "smx_fwd_loop<float, MaskAdd<float>, 4>": (16, 12, 12),
-        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 8, 8),
+        "smx_fwd_loop<float, MaskHide<smx_u32>, 4>": (16, 12, 12),  # NVRTC 13.0 only
+        "smx_fwd_loop<float, MaskAdd<float>, 4>": (16, 12, 12),  # NVRTC 13.0 only
+        "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 8, 8),  # NVRTC 13.5 only
         "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (8, 8, 8),
     },
     "sm_100": {
-        "smx_fwd_loop<smx_bf16, MaskAdd<double>, 4>": (16, 16, 40),
-        "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (8, 16, 8),
+        "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (8, 16, 8),  # NVRTC 13.0 only
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (32, 48, 48),
-        "smx_fwd<float, MaskHide<smx_u32>, 2, 1, false>": (8, 8, 16),
-        "smx_fwd<float, MaskAdd<float>, 2, 1, false>": (8, 8, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (32, 48, 48),
-        "smx_bwd<smx_f16, 2, 2, false>": (16, 16, 52),
-        "smx_bwd<smx_bf16, 2, 2, false>": (16, 16, 52),
-        "smx_fwd_loop<smx_bf16, MaskHide<smx_u64>, 4>": (24, 16, 40),
-        "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),
-        "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, false>": (8, 8, 8),
-        "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, true>": (16, 16, 16),
-        "smx_fwd<smx_f16, MaskHide<smx_u16>, 4, 1, false>": (8, 8, 12),
-        "smx_fwd<smx_f16, MaskAdd<smx_f16>, 4, 1, false>": (8, 8, 12),
-        "smx_fwd<smx_f16, MaskAdd<smx_f16>, 2, 1, true>": (16, 16, 16),
-        "smx_fwd<smx_f16, MaskAdd<smx_bf16>, 4, 1, false>": (8, 8, 12),
-        "smx_fwd<smx_bf16, MaskNone, 4, 1, false>": (8, 8, 8),
-        "smx_fwd<smx_bf16, MaskHide<smx_u8>, 4, 1, false>": (8, 8, 8),
-        "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 1, true>": (16, 16, 16),
-        "smx_fwd<smx_bf16, MaskHide<smx_u16>, 4, 1, false>": (8, 8, 12),
-        "smx_fwd<smx_bf16, MaskAdd<smx_f16>, 4, 1, false>": (8, 8, 12),
-        "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 4, 1, false>": (8, 8, 12),
-        "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 2, 1, true>": (16, 16, 16),
-        "smx_fwd<float, MaskNone, 4, 1, true>": (8, 8, 8),
-        "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 12, 12),
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 16, 16),
+        "smx_bwd<smx_f16, 2, 2, false>": (16, 12, 52),
+        "smx_bwd<smx_bf16, 2, 2, false>": (16, 12, 52),
+        "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),  # NVRTC 13.5 only
+        "smx_fwd<float, MaskNone, 4, 1, true>": (8, 8, 8),  # NVRTC 13.5 only
     },
     "sm_120": {
-        "smx_fwd<smx_f16, MaskHide<smx_u64>, 2, 1, false>": (24, 28, 40),
-        "smx_fwd<smx_f16, MaskAdd<smx_f16>, 2, 1, true>": (8, 16, 8),
-        "smx_fwd<smx_f16, MaskAdd<double>, 2, 1, false>": (24, 28, 40),
-        "smx_fwd<smx_bf16, MaskHide<smx_u64>, 2, 1, false>": (24, 28, 40),
-        "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 2, 1, true>": (8, 16, 8),
-        "smx_fwd<smx_bf16, MaskAdd<double>, 2, 1, false>": (24, 28, 40),
         "smx_fwd<float, MaskNone, 4, 1, true>": (16, 12, 12),
-        "smx_fwd<float, MaskHide<smx_u8>, 4, 1, true>": (24, 24, 24),
+        "smx_fwd<float, MaskHide<smx_u8>, 4, 1, true>": (24, 24, 24),  # NVRTC 13.0 only
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (40, 52, 56),
-        "smx_fwd<float, MaskHide<smx_u16>, 2, 1, false>": (8, 16, 16),
-        "smx_fwd<float, MaskAdd<smx_f16>, 2, 1, false>": (8, 16, 16),
-        "smx_fwd<float, MaskAdd<smx_bf16>, 2, 1, false>": (8, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (40, 52, 56),
-        "smx_bwd<smx_f16, 2, 2, false>": (8, 16, 20),
-        "smx_bwd<smx_bf16, 2, 2, false>": (8, 16, 20),
-        "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (16, 12, 16),
-        "smx_fwd<smx_f16, MaskNone, 2, 1, true>": (8, 4, 4),
-        "smx_fwd<smx_f16, MaskNone, 2, 1, false>": (8, 16, 16),
-        "smx_fwd<smx_f16, MaskHide<smx_u8>, 4, 1, false>": (16, 12, 16),
-        "smx_fwd<smx_f16, MaskHide<smx_u8>, 2, 1, true>": (16, 12, 12),
-        "smx_fwd<smx_f16, MaskHide<smx_u16>, 4, 1, false>": (16, 12, 20),
-        "smx_fwd<smx_f16, MaskAdd<smx_f16>, 4, 1, false>": (16, 12, 20),
-        "smx_fwd<smx_f16, MaskAdd<smx_bf16>, 4, 1, false>": (16, 12, 20),
-        "smx_fwd<smx_bf16, MaskNone, 4, 1, false>": (16, 16, 16),
-        "smx_fwd<smx_bf16, MaskNone, 2, 1, true>": (8, 4, 4),
-        "smx_fwd<smx_bf16, MaskNone, 2, 1, false>": (8, 16, 16),
-        "smx_fwd<smx_bf16, MaskHide<smx_u8>, 4, 1, false>": (16, 12, 16),
-        "smx_fwd<smx_bf16, MaskHide<smx_u8>, 2, 1, true>": (16, 12, 12),
-        "smx_fwd<smx_bf16, MaskHide<smx_u16>, 4, 1, false>": (16, 12, 20),
-        "smx_fwd<smx_bf16, MaskAdd<smx_f16>, 4, 1, false>": (16, 12, 20),
-        "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 4, 1, false>": (16, 12, 20),
-        "smx_bwd<smx_f16, 4, 1, false>": (8, 4, 4),
-        "smx_bwd<smx_bf16, 4, 1, false>": (8, 4, 4),
-        "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (24, 44, 36),
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (32, 56, 52),
+        "smx_bwd<smx_f16, 2, 2, false>": (8, 4, 20),  # NVRTC 13.0 only
+        "smx_bwd<smx_bf16, 2, 2, false>": (8, 4, 20),  # NVRTC 13.0 only
+        "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),  # NVRTC 13.5 only
+        "smx_fwd<smx_f16, MaskHide<smx_u16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<smx_f16, MaskAdd<smx_f16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<smx_f16, MaskAdd<smx_bf16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<smx_bf16, MaskHide<smx_u16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<smx_bf16, MaskAdd<smx_f16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_bwd<smx_f16, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_bwd<smx_bf16, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (8, 8, 8),  # NVRTC 13.5 only
     },
 }
 
