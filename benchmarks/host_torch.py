@@ -23,7 +23,6 @@ this machine's Python speed; compare them before and after a change, not across 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -47,21 +46,18 @@ def time_rows_us(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, tuple[float, float]]:
     """(median, min) microseconds per call of each row over `repeats` runs of `calls`
-    back-to-back calls.  The rows take turns run by run, so that a host whose speed drifts
-    during the measurement (other tenants, clocks) slows every row alike."""
-    for fn in rows.values():
-        for _ in range(min(200, calls)):
-            fn()
-    sync()
-    samples: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(repeats):
-        for name, fn in rows.items():
-            t = clock()
-            for _ in range(calls):
-                fn()
-            sync()
-            samples[name].append((clock() - t) / calls * 1e6)
-    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
+    back-to-back calls, the rows taking turns run by run (softbench.timing.host_times_us,
+    the benchmark's host section); a row that raises stops the script."""
+    from types import SimpleNamespace
+
+    from softbench.timing import host_times_us
+
+    out = {}
+    for name, got in host_times_us(SimpleNamespace(sync=sync), rows, calls, repeats, clock).items():
+        if isinstance(got, Exception):
+            raise got
+        out[name] = got
+    return out
 
 
 class _NoDriver:

@@ -81,11 +81,12 @@ def gpu_time_ms(torch, fn, argsets: list) -> tuple[float, int]:
 
 
 def host_times_us(
-    dev, fns: dict, calls: int = HOST_CALLS, repeats: int = HOST_REPEATS
+    dev, fns: dict, calls: int = HOST_CALLS, repeats: int = HOST_REPEATS, clock=time.perf_counter
 ) -> dict[str, tuple[float, float] | Exception]:
     """Per provider, (median, min) microseconds per call over `repeats` runs of `calls`
-    back-to-back calls, or the exception its calls raised.  The providers take turns run by
-    run, so that a host whose speed drifts during the section slows every provider alike."""
+    back-to-back calls (`dev.sync()` closing each run, timed by `clock`), or the exception
+    its calls raised.  The providers take turns run by run, so that a host whose speed
+    drifts during the section slows every provider alike."""
     out: dict[str, tuple[float, float] | Exception] = {}
     live = {}
     for name, fn in fns.items():
@@ -100,7 +101,7 @@ def host_times_us(
     samples: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(repeats):
         for name, fn in list(live.items()):
-            t = time.perf_counter()
+            t = clock()
             try:
                 for _ in range(calls):
                     fn()
@@ -109,7 +110,7 @@ def host_times_us(
                 out[name] = e
                 del live[name], samples[name]
                 continue
-            samples[name].append((time.perf_counter() - t) / calls * 1e6)
+            samples[name].append((clock() - t) / calls * 1e6)
     for name, v in samples.items():
         out[name] = (statistics.median(v), min(v))
     return {name: out[name] for name in fns}
