@@ -335,7 +335,7 @@ struct SmxCoopX {
 // ---------------------------------------------------------------------------------
 // The interior of a row in the cluster tier's forward: steps of K chunks per thread
 // that are all whole and visible (a step of the slice lies in [c0, c1)) need no per-element
-// checks.  For 16-bit x with no additive mask and 0 < scale * log2e < inf, the scale also
+// checks.  (The lean kernels of softmax_fwd.cu fold alike, without a mask.)  For 16-bit x with no additive mask and 0 < scale * log2e < inf, the scale also
 // folds into STORE's exponent FMA (the max of x * scale is scale * max(x): rounding is
 // monotonic), as does its 1 / sum into the exponent: y = 2^(x * scale * log2e - max * log2e
 // - log2(sum)).  What that changes (ex2 / lg2 approximations, about 2^-22 relative) is far
@@ -347,39 +347,7 @@ struct SmxCoopX {
 // (hidden: -inf) before the max and the conversion, the max is taken on pairs of 16-bit
 // values, and the terms fold alike (one FMA each) where a step's max is below SMX_FOLD_MAX
 // (exact above): the sum is off by less than 2^-14 relative, an output by less than 2^-13.
-template <typename T, class M> struct SmxFold {
-  enum { ON = sizeof(T) == 2 && (!M::PRESENT || M::HIDE) };
-};
-#define SMX_FOLD_MAX 1024.0f
-// A 16-bit -inf, twice (the fold's scale is positive: a hidden element hidden in x's bits
-// becomes -inf after scaling, as M::apply makes it).
-template <typename T> struct SmxNegInf2;
-template <> struct SmxNegInf2<smx_f16> { enum : smx_u32 { V = 0xfc00fc00u }; };
-template <> struct SmxNegInf2<smx_bf16> { enum : smx_u32 { V = 0xff80ff80u }; };
-// The larger of each half of two words of 16-bit floats (a NaN loses to a number, as in
-// fmaxf: a NaN element still makes its terms, and so the row, NaN).
-#if __CUDA_ARCH__ >= 800
-__device__ __forceinline__ smx_u32 smx_max2_of(smx_u32 a, smx_u32 b, smx_f16) {
-  smx_u32 r;
-  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ smx_u32 smx_max2_of(smx_u32 a, smx_u32 b, smx_bf16) {
-  smx_u32 r;
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-#endif
-template <typename T> __device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b) {
-#if __CUDA_ARCH__ >= 800
-  return smx_max2_of(a, b, T());
-#else
-  float a0, a1, b0, b1;
-  smx_unpack2(a, a0, a1, T());
-  smx_unpack2(b, b0, b1, T());
-  return smx_pack2<T>(fmaxf(a0, b0), fmaxf(a1, b1));
-#endif
-}
+// (SmxFold, SMX_FOLD_MAX, SmxNegInf2, smx_max2 and smx_fold_max: softmax_fwd.cu.)
 // The raw chunk with its hidden elements made -inf in x's own bits.  Masks of one-byte
 // elements take four elements a word: bit 7 of each byte of w | ((w & 0x7f..) + 0x7f..)
 // is set where the byte is nonzero, and prmt's sign mode spreads it over a 16-bit half.
@@ -411,21 +379,6 @@ __device__ __forceinline__ void smx_fold_hidden(Chunk<T> (&c)[K], const Chunk<T>
     c[k] = cx[0][k];
     smx_fold_hide<T, M>(c[k], cm[0][k]);
   }
-}
-// Their max: over pairs of 16-bit values a word at a time (four chains side by side), one
-// conversion of the result.
-template <typename T, int K> __device__ __forceinline__ float smx_fold_max(const Chunk<T> (&c)[K]) {
-  smx_u32 w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w[i] = c[0].w[i];
-#pragma unroll
-    for (int k = 1; k < K; ++k) w[i] = smx_max2<T>(w[i], c[k].w[i]);
-  }
-  w[0] = smx_max2<T>(smx_max2<T>(w[0], w[1]), smx_max2<T>(w[2], w[3]));
-  float lo, hi;
-  smx_unpack2(w[0], lo, hi, T());
-  return fmaxf(lo, hi);
 }
 // The terms of a step's chunks, a sum per chunk: one FMA a term (FMA: exp2(x * scale * log2e -
 // ml), ml = max * log2e one rounded float) or exact (smx_term).

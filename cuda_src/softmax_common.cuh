@@ -362,9 +362,9 @@ __device__ __forceinline__ float smx_max_use(float m) { return m == -SMX_INF ? 0
 // finfo(float32).min or finfo(bfloat16).min scores) and takes exp2 out of range.
 __device__ __forceinline__ float smx_term_of(float d) { return smx_exp2(d * SMX_LOG2E); }  // d = v - mu
 __device__ __forceinline__ float smx_term(float v, float mu) { return smx_term_of(v - mu); }
-// The sum of the terms of passes that take v - mu in one FMA (fma(x, scale, -mu)): where
-// x * scale overflowed to +inf (x finite), mu is +inf and that FMA gives -inf, not the NaN
-// of inf - inf; the row is NaN, as the held values make it.
+// The sum of the terms of passes that compute the values again: a row whose max is +inf
+// (x * scale overflowed, x finite) is NaN, as the held values make it, whatever the passes'
+// terms made of inf - inf.
 __device__ __forceinline__ float smx_fused_sum(float s, float m) { return m == SMX_INF ? __int_as_float(0x7fffffff) : s; }
 __device__ __forceinline__ void smx_pair_merge(float& m, float& s, float m2, float s2) {
   const float mm = fmaxf(m, m2);

@@ -173,7 +173,10 @@ __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk
 
 // VALUES: biased scores, -inf where hidden; and each row's max over this thread.  `shift`:
 // the scores less it (a row's max, for passes that compute the values again to take their
-// terms: one FMA for x * scale - shift without an additive mask).
+// terms).  x * scale is rounded before the shift, as the max was: the difference is then 0
+// at the max whatever its size.  (One FMA for x * scale - shift leaves the product's rounding
+// error, up to half a spacing of floats at the max: a factor e^64 on every term from
+// |max| = 2^30 on, and rows of bf16 scores of 1e30 or finfo.min turned NaN or 0.)
 template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N], float (&mx)[RPT],
                                                const Chunk<T> (&cx)[RPT][NCH],
@@ -193,8 +196,8 @@ __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N]
       for (int e = 0; e < N; ++e) {
         const float xe = smx_to_f32(cx[r][k].e[e]);
         // An additive mask is added before the shift (the shift may be as large as the mask)
-        v[r][k][e] = M::PRESENT && !M::HIDE ? M::apply(xe * scale, cm[r][k].e[e]) - shift
-                                            : M::apply(fmaf(xe, scale, -shift), cm[r][k].e[e]);
+        v[r][k][e] = M::PRESENT && !M::HIDE ? M::apply(__fmul_rn(xe, scale), cm[r][k].e[e]) - shift
+                                            : M::apply(__fmul_rn(xe, scale) - shift, cm[r][k].e[e]);
       }
       // Not wholly visible (rare): past the visible prefix, or a partial chunk.
       if (AL ? j0 + N > lim : (!smx_in(c, rw[r].c0, rw[r].c1) && !(j0 >= 0 && j0 + N <= lim))) {
@@ -312,6 +315,60 @@ __device__ __forceinline__ void smx_row_stats(const float (&m)[RPT], const float
   }
 }
 
+// The fold (the lean kernels here, the cluster tier's interior steps in softmax_cluster.cu):
+// for 16-bit x without an additive mask and 0 < scale * log2e < inf, the max of x * scale
+// is scale * max(x) (rounding is monotonic), taken on pairs of 16-bit values, and each
+// term and output takes one FMA in its exponent: 2^(x * scale * log2e - shift).  See the
+// cluster tier's comment for what that changes (under 2^-13 relative, where the max is
+// below SMX_FOLD_MAX; rows whose max reaches it take the exact path).
+template <typename T, class M> struct SmxFold {
+  enum { ON = sizeof(T) == 2 && (!M::PRESENT || M::HIDE) };
+};
+#define SMX_FOLD_MAX 1024.0f
+// A 16-bit -inf, twice (the fold's scale is positive: a hidden element hidden in x's bits
+// becomes -inf after scaling, as M::apply makes it).
+template <typename T> struct SmxNegInf2;
+template <> struct SmxNegInf2<smx_f16> { enum : smx_u32 { V = 0xfc00fc00u }; };
+template <> struct SmxNegInf2<smx_bf16> { enum : smx_u32 { V = 0xff80ff80u }; };
+// The larger of each half of two words of 16-bit floats (a NaN loses to a number, as in
+// fmaxf: a NaN element still makes its terms, and so the row, NaN).
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ smx_u32 smx_max2_of(smx_u32 a, smx_u32 b, smx_f16) {
+  smx_u32 r;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ smx_u32 smx_max2_of(smx_u32 a, smx_u32 b, smx_bf16) {
+  smx_u32 r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+#endif
+template <typename T> __device__ __forceinline__ smx_u32 smx_max2(smx_u32 a, smx_u32 b) {
+#if __CUDA_ARCH__ >= 800
+  return smx_max2_of(a, b, T());
+#else
+  float a0, a1, b0, b1;
+  smx_unpack2(a, a0, a1, T());
+  smx_unpack2(b, b0, b1, T());
+  return smx_pack2<T>(fmaxf(a0, b0), fmaxf(a1, b1));
+#endif
+}
+// Their max: over pairs of 16-bit values a word at a time (four chains side by side), one
+// conversion of the result.
+template <typename T, int K> __device__ __forceinline__ float smx_fold_max(const Chunk<T> (&c)[K]) {
+  smx_u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = c[0].w[i];
+#pragma unroll
+    for (int k = 1; k < K; ++k) w[i] = smx_max2<T>(w[i], c[k].w[i]);
+  }
+  w[0] = smx_max2<T>(smx_max2<T>(w[0], w[1]), smx_max2<T>(w[2], w[3]));
+  float lo, hi;
+  smx_unpack2(w[0], lo, hi, T());
+  return fmaxf(lo, hi);
+}
 // Values a thread holds as fp32 at once.  Kernels of more ("lean" kernels: 16-bit x, 8
 // chunks per thread, 64 values) keep only the raw chunks, half the registers, and compute
 // each chunk's values afresh in each of three passes (max; sum; store): twice the loads in
@@ -364,15 +421,54 @@ __device__ __forceinline__ float smx_fwd_chunk(float (&v)[1][1][Chunk<T>::N], co
   return mx[0];
 }
 
+// The lean kernels fold on sm_80 to sm_100 (before sm_80, no max over pairs of 16-bit
+// values: the fold's unpacking spilled the bf16 kernel on sm_75; on sm_120 ptxas 13.5
+// spilled both at 64 registers).
+#if __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1200
+#define SMX_LEAN_FOLDS 1
+#else
+#define SMX_LEAN_FOLDS 0
+#endif
+// The fold's rows (whole chunks, no mask): a row whose visible prefix ends on a chunk's
+// boundary (every row without causal or key_lengths) has no partial chunk; a thread's
+// chunks past that prefix become -inf in x's own bits (their registers were never loaded),
+// which the max ignores, whose terms are 0 and whose outputs (inside the row) store 0.
+// Rows with a partial chunk take the exact path.
+template <typename T, class M> __device__ __forceinline__ bool smx_fold_whole(const FwdRow<T, M>& rw) {
+  return (rw.lim & (Chunk<T>::N - 1)) == 0;
+}
+template <typename T, class M, int NCH>
+__device__ __forceinline__ void smx_fold_hide_past(Chunk<T> (&cx)[NCH], const FwdRow<T, M>& rw, int c0, int tpr) {
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+    if ((c0 + k * tpr) * Chunk<T>::N >= rw.lim) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cx[k].w[i] = (smx_u32)SmxNegInf2<T>::V;
+    }
+}
+
 // The forward after LOAD, for kernels that hold raw chunks only (see SMX_HELD_VALUES).
+// Whole-chunk rows without a mask fold (SmxFold) where no chunk is partly visible
+// (smx_fold_whole): the max over pairs of 16-bit values, one FMA in each term's and output's
+// exponent (1 / sum folded into the output's).  On the H200 the exact passes came close to the issue limit (see _plan.LEAN_FROM).
 template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk<M, Chunk<T>::N> (&cm)[RPT][NCH],
                                               FwdRow<T, M> (&rw)[RPT], const bool (&act)[RPT], int c0, int tpr,
                                               const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
-  enum { N = Chunk<T>::N };
+  enum { N = Chunk<T>::N, FOLD = SmxFold<T, M>::ON && !M::PRESENT && SMX_LEAN_FOLDS && AL };
   float mx[RPT], s[RPT], fac[RPT], mu[RPT];
+  const float sl = p.scale * SMX_LOG2E;
+  bool fold[RPT];
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
+    fold[r] = FOLD && sl > 0.0f && sl < SMX_INF && smx_fold_whole<T, M>(rw[r]);
+    if constexpr (FOLD) {
+      if (fold[r]) {
+        smx_fold_hide_past<T, M, NCH>(cx[r], rw[r], c0, tpr);
+        mx[r] = smx_fold_max<T, NCH>(cx[r]) * p.scale;
+        continue;
+      }
+    }
     mx[r] = -SMX_INF;
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
@@ -386,6 +482,19 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
   for (int r = 0; r < RPT; ++r) {
     mu[r] = smx_max_use(mx[r]);
     s[r] = 0.0f;
+    // (the warp's max: the same in every lane of it)
+    fold[r] = fold[r] && fabsf(mu[r]) < SMX_FOLD_MAX;
+    if (fold[r]) {
+      const float ml = mu[r] * SMX_LOG2E;
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        float u[N];
+        smx_chunk_f32<T>(cx[r][k], u);
+#pragma unroll
+        for (int e = 0; e < N; ++e) s[r] += smx_exp2(fmaf(u[e], sl, -ml));
+      }
+      continue;
+    }
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       float v[1][1][N];
@@ -404,12 +513,27 @@ __device__ __forceinline__ void smx_fwd_lean(Chunk<T> (&cx)[RPT][NCH], MaskChunk
   }
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
+    // fac > 0 and finite: the output's factor folds into its exponent (a factor of 0, a
+    // warp that saw nothing of the row's max, stores through the exact path).  The choice
+    // is made a chunk at a time: taken once for all chunks, ptxas kept every chunk's values
+    // live across it and spilled.
+    const bool sfold = fold[r] && fac[r] > 0.0f && fac[r] < SMX_INF;
+    const float mls = mu[r] * SMX_LOG2E - smx_log2(fac[r]);
     const FwdRow<T, M> w[1] = {rw[r]};
     const bool a[1] = {act[r]};
     const float f[1] = {fac[r]};
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       float v[1][1][N];
+      if (sfold) {
+        if (act[r] && (c0 + k * tpr) * N < p.sk) {
+          smx_chunk_f32<T>(cx[r][k], v[0][0]);
+#pragma unroll
+          for (int e = 0; e < N; ++e) v[0][0][e] = smx_exp2(fmaf(v[0][0][e], sl, -mls));
+          smx_st16(rw[r].y + (c0 + k * tpr) * N, smx_pack_chunk<T>(v[0][0]));
+        }
+        continue;
+      }
       smx_fwd_chunk<T, M, NCH, RPT, AL>(v, cx, cm, rw, r, k, c0, tpr, p.scale, mu[r]);
 #pragma unroll
       for (int e = 0; e < N; ++e) v[0][0][e] = smx_term_of(v[0][0][e]);
@@ -441,11 +565,31 @@ __device__ __forceinline__ void smx_edged_values(float (&v)[Chunk<T>::N], const 
                                                  float scale, float shift = 0.0f) {
   enum { N = Chunk<T>::N };
 #pragma unroll
-  for (int e = 0; e < N; ++e) v[e] = fmaf(smx_to_f32(c.e[e]), scale, -shift);  // (see smx_fwd_values)
+  for (int e = 0; e < N; ++e) v[e] = __fmul_rn(smx_to_f32(c.e[e]), scale) - shift;  // (see smx_fwd_values)
   if (j0 + N > clim) {
 #pragma unroll
     for (int e = 0; e < N; ++e)
       if (j0 + e >= clim) v[e] = -SMX_INF;
+  }
+}
+
+// The edged lean kernels fold their sum's terms on sm_80 and later in fp16, on sm_80 to
+// sm_90 in bf16 (there, at 128 registers, ptxas 13.5 spilled 80-96 bytes of the bf16 kernel
+// with the fold on sm_100 and sm_120; 13.0 none).
+template <typename T> struct SmxEdgedFold { enum { ON = 0 }; };
+#if __CUDA_ARCH__ >= 800
+template <> struct SmxEdgedFold<smx_f16> { enum { ON = 1 }; };
+template <> struct SmxEdgedFold<smx_bf16> { enum { ON = __CUDA_ARCH__ < 1000 }; };
+#endif
+// x of the chunk as fp32, unscaled (the fold's terms; keys j >= clim -inf).
+template <typename T>
+__device__ __forceinline__ void smx_edged_raw(float (&u)[Chunk<T>::N], const Chunk<T>& c, int j0, int clim) {
+  enum { N = Chunk<T>::N };
+  smx_chunk_f32<T>(c, u);
+  if (j0 + N > clim) {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (j0 + e >= clim) u[e] = -SMX_INF;
   }
 }
 
@@ -522,11 +666,13 @@ __device__ __forceinline__ void smx_fwd_edged(const FwdRow<T, M>& rw, bool act, 
 
 // Edged rows of 16-bit x at 8 chunks per thread: the raw chunks held, their values
 // computed afresh in each of three passes (max; sum; store), as smx_fwd_lean does for
-// whole-chunk rows; the lane's edge is held as a value.  Held to the lean kernels' 64
-// registers, ptxas spills 8 bytes (fp16) or none (bf16) on sm_90; on the H200 an earlier
-// build that spilled 24 bytes was still faster than 80 registers without spills (three
-// blocks per SM): Sk 4097 fp16 / bf16 92.9 / 91.8% of copy against 91.7 / 88.0.  As built:
-// 97.4 / 96.2 (Sk 16383: 97.1 / 95.1).
+// whole-chunk rows; the lane's edge is held as a value.  The max and the sum's terms fold
+// (SmxEdgedFold).  Held to the lean kernels' 64 registers, ptxas spills nothing on sm_90
+// (NVRTC 13.0 and 13.5); on the H200 an earlier build that spilled 24 bytes was still
+// faster than 80 registers without spills (three blocks per SM): Sk 4097 fp16 / bf16 92.9
+// / 91.8% of copy against 91.7 / 88.0.  As built (two rounds, against the unfolded passes
+// with an FMA's unrounded shift, see smx_fwd_values): Sk 4097 95.8 / 96.5 (96.5 / 95.4),
+// 16383 95.2 / 95.7 (96.2 / 94.5), 2047 96.4 / 96.2 (96.2 / 94.4).
 template <typename T, class M, int NCH>
 __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool act, int lane, int tpr,
                                                    const SmxFwdParams& p, float (*red)[2][SMX_BLOCK / 32]) {
@@ -547,21 +693,53 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
   float ev = -SMX_INF;
   if (ej < rw.lim) ev = smx_to_f32(rw.x[ej]) * p.scale;
   float mx[1] = {ev};
+  // The max folds where 0 < scale < inf (smx_fold_max: scale * max(x), a chunk's hidden keys
+  // -inf in x's bits; the passes below hide them again, and keep them -inf where they fold).
+  const bool mfold = SmxEdgedFold<T>::ON && p.scale > 0.0f && p.scale < SMX_INF;
+  if constexpr (SmxEdgedFold<T>::ON) {
+    if (mfold) {
 #pragma unroll
-  for (int k = 0; k < NCH; ++k) {
-    float v[N];
-    smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale);
+      for (int k = 0; k < NCH; ++k) {
+        const int j0 = j + k * step;
+        if (j0 + N > clim) {
 #pragma unroll
-    for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[e]);
+          for (int i = 0; i < 4; ++i) {
+            const smx_u32 m = (j0 + 2 * i >= clim ? 0x0000ffffu : 0u) | (j0 + 2 * i + 1 >= clim ? 0xffff0000u : 0u);
+            cx[0][k].w[i] = (cx[0][k].w[i] & ~m) | ((smx_u32)SmxNegInf2<T>::V & m);
+          }
+        }
+      }
+      mx[0] = fmaxf(mx[0], smx_fold_max<T, NCH>(cx[0]) * p.scale);
+    }
+  }
+  if (!mfold) {
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      float v[N];
+      smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale);
+#pragma unroll
+      for (int e = 0; e < N; ++e) mx[0] = fmaxf(mx[0], v[e]);
+    }
   }
   smx_warp_allreduce<OpMax, 1>(mx, tpr);
   const float mu = smx_max_use(mx[0]);
   smx_fwd_opaque<T, M, NCH, 1>(cx, cm, j, step, z);  // the passes compute the values again
   ev = smx_term(ev, mu);
   float s[1] = {ev}, fac[1];
+  // The sum's terms fold as smx_fwd_lean's do (one FMA in the exponent; the max is taken
+  // exactly, the outputs too): a choice a chunk at a time, the same in the row's lanes.
+  // (Folded in STORE as well, ptxas spilled 16-34 bytes more at the 64 registers.)
+  const float sl = p.scale * SMX_LOG2E, ml = mu * SMX_LOG2E;
+  const bool fold = SmxEdgedFold<T>::ON && sl > 0.0f && sl < SMX_INF && fabsf(mu) < SMX_FOLD_MAX;
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     float v[N];
+    if (fold) {
+      smx_edged_raw<T>(v, cx[0][k], j + k * step, clim);
+#pragma unroll
+      for (int e = 0; e < N; ++e) s[0] += smx_exp2(fmaf(v[e], sl, -ml));
+      continue;
+    }
     smx_edged_values<T>(v, cx[0][k], j + k * step, clim, p.scale, mu);
 #pragma unroll
     for (int e = 0; e < N; ++e) s[0] += smx_term_of(v[e]);
@@ -618,17 +796,43 @@ __device__ __forceinline__ void smx_fwd_body(Chunk<T> (&cx)[RPT][NCH], MaskChunk
     return;
   }
   float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
-  smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
+  // Whole-chunk rows without a mask (one row per thread) fold their max and terms as the
+  // lean kernels do where no chunk is partly visible (smx_fold_whole; v holds x unscaled
+  // then); STORE stays v * fac.  (In the general kernels the fold spilled.)
+  enum { FOLD = SmxFold<T, M>::ON && !M::PRESENT && SMX_LEAN_FOLDS && RPT == 1 && AL };
+  const float sl = p.scale * SMX_LOG2E;
+  const bool fold = FOLD && sl > 0.0f && sl < SMX_INF && smx_fold_whole<T, M>(rw[0]);
+  if constexpr (FOLD) {
+    if (fold) {
+      smx_fold_hide_past<T, M, NCH>(cx[0], rw[0], lane, tpr);
+      mx[0] = smx_fold_max<T, NCH>(cx[0]) * p.scale;
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) smx_chunk_f32<T>(cx[0][k], v[0][k]);
+    }
+  }
+  if (!fold) smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
   smx_warp_allreduce<OpMax, RPT>(mx, tpr);
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     const float mu = smx_max_use(mx[r]);
     s[r] = 0.0f;
+    if (fold && fabsf(mu) < SMX_FOLD_MAX) {
+      const float ml = mu * SMX_LOG2E;
+#pragma unroll
+      for (int k = 0; k < NCH; ++k)
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+          v[r][k][e] = smx_exp2(fmaf(v[r][k][e], sl, -ml));
+          s[r] += v[r][k][e];
+        }
+      continue;
+    }
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        v[r][k][e] = smx_term(v[r][k][e], mu);
+        // (held unscaled where the row folded its max: x * scale, as VALUES rounds it)
+        v[r][k][e] = smx_term(fold ? v[r][k][e] * p.scale : v[r][k][e], mu);
         s[r] += v[r][k][e];
       }
   }

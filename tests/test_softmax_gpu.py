@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_backward_matches, assert_matches
+from helpers import TOLS, assert_backward_matches, assert_matches
 from helpers import requires_torch_cuda as requires_cuda
 from helpers import to_numpy as _np
 
@@ -173,6 +173,60 @@ def test_lean_kernels_with_every_row_source(dtype, sk):
     xs[1, 1, 2, sk - 1] = float("inf")
     xs[2, 0, 1, :] = float("-inf")
     _check_forward(xs, scale=1.0, what=f"lean {dtype} Sk={sk} nan/inf rows")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sk", [1000, 4097, 12000, 16383])
+@pytest.mark.parametrize("scale", [2.5, 30.0, 1e-3, 0.0, -1.3, 1e38, 3e38])
+def test_folded_rows_at_every_kind_of_scale(dtype, sk, scale):
+    """16-bit rows without a mask fold (sm_80 to sm_100; the 4-chunk kernels at 1000 keys,
+    the lean ones at 12000: the max over pairs of 16-bit values, one FMA in each term's
+    exponent, and in the lean kernels' outputs'; the edged lean ones at 4097 and 16383: the
+    max and the sum's terms, hidden keys -inf in x's bits) where 0 < scale * log2e < inf, a
+    thread's chunks are all visible (whole-chunk rows) and the max is below SMX_FOLD_MAX: logits of hundreds
+    (std 40, scale 2.5), past SMX_FOLD_MAX (scale 30: the exact terms), a zero, a negative,
+    an overflowing x * scale (1e38: such rows turn NaN) and an overflowing scale * log2e
+    (3e38: the exact path); key_lengths that cut a row inside a thread's chunks (the fold
+    and the exact path in one row), and rows of one very large logit beside small ones."""
+    from drvsoftmax import _plan
+
+    nch = _plan.plan_forward(64, sk, dtype, "none", True, True).nch
+    assert nch == (4 if sk == 1000 else _plan.LEAN_NCH)
+    x = _rand((4, 1, 3, sk), DTYPES[dtype], scale=40.0)
+    what = f"{dtype} Sk={sk} ({nch} chunks per thread) scale={scale}"
+    if scale > 1e30:
+        x[3] = 0.0  # rows that no such scale overflows: uniform
+        y = drvsoftmax.scaled_masked_softmax(x, scale=scale)
+        ref = _reference.softmax_forward(_np(x), None, scale, False, None)
+        assert np.isnan(ref).any() and not np.isnan(ref).all()
+        assert_matches(_np(y), ref, dtype, what)
+        return
+    x[1, 0, 0, 17] = 1000.0  # one logit far above the others (the row's max alone)
+    x[1, 0, 1, :] = -60000.0 if dtype == "float16" else -1e30
+    x[1, 0, 1, sk - 3] = 5.0
+    kl = torch.tensor([sk, sk // 2 + 1, 1, sk - 8], dtype=torch.int64, device="cuda")
+    _check_forward(x, scale=scale, what=what)
+    _check_forward(x, scale=scale, key_lengths=kl, what=what + " klen")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [1000, 4097, 12000])
+def test_rows_of_huge_equal_scores_are_uniform(dtype, sk):
+    """Rows whose scores are all the same huge value (a fully padded row filled with
+    finfo.min or -1e30 by the caller) at a scale that rounds x * scale: uniform, as
+    torch.softmax makes them, in every kernel (the 4-chunk, edged lean and lean kernels at
+    these lengths, for 16-bit x).  The passes that compute values again subtract the max
+    from x * scale rounded (an FMA's unrounded product made these rows NaN or 0)."""
+    big = float(torch.finfo(DTYPES[dtype]).min) if dtype != "float16" else -60000.0
+    scale = 96**-0.5 if dtype != "float16" else 2.0e5
+    x = _rand((2, 1, 3, sk), DTYPES[dtype])
+    x[0, 0, 0, :] = big
+    x[1, 0, 1, :] = -1e30 if dtype != "float16" else -65504.0
+    x[1, 0, 2, : sk // 2] = big  # half of a row huge, the rest of it ordinary scores
+    y = _check_forward(x, scale=scale, what=f"{dtype} Sk={sk} huge equal scores")
+    got = _np(y)
+    np.testing.assert_allclose(got[0, 0, 0], 1.0 / sk, rtol=TOLS[dtype]["rtol"])
+    np.testing.assert_allclose(got[1, 0, 1], 1.0 / sk, rtol=TOLS[dtype]["rtol"])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
