@@ -176,7 +176,9 @@ __device__ __forceinline__ void smx_fwd_load(Chunk<T> (&cx)[RPT][NCH], MaskChunk
 // terms).  x * scale is rounded before the shift, as the max was: the difference is then 0
 // at the max whatever its size.  (One FMA for x * scale - shift leaves the product's rounding
 // error, up to half a spacing of floats at the max: a factor e^64 on every term from
-// |max| = 2^30 on, and rows of bf16 scores of 1e30 or finfo.min turned NaN or 0.)
+// |max| = 2^30 on, and rows of bf16 scores of 1e30 or finfo.min turned NaN or 0.)  With an
+// additive mask, x * scale + mask may be one FMA: its one rounding is the same in every pass.
+// (__fmul_rn there cost 16-bit additive masks 8-13% on the H200.)
 template <typename T, class M, int NCH, int RPT, bool AL>
 __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N], float (&mx)[RPT],
                                                const Chunk<T> (&cx)[RPT][NCH],
@@ -196,7 +198,7 @@ __device__ __forceinline__ void smx_fwd_values(float (&v)[RPT][NCH][Chunk<T>::N]
       for (int e = 0; e < N; ++e) {
         const float xe = smx_to_f32(cx[r][k].e[e]);
         // An additive mask is added before the shift (the shift may be as large as the mask)
-        v[r][k][e] = M::PRESENT && !M::HIDE ? M::apply(__fmul_rn(xe, scale), cm[r][k].e[e]) - shift
+        v[r][k][e] = M::PRESENT && !M::HIDE ? M::apply(xe * scale, cm[r][k].e[e]) - shift
                                             : M::apply(__fmul_rn(xe, scale) - shift, cm[r][k].e[e]);
       }
       // Not wholly visible (rare): past the visible prefix, or a partial chunk.
@@ -796,43 +798,17 @@ __device__ __forceinline__ void smx_fwd_body(Chunk<T> (&cx)[RPT][NCH], MaskChunk
     return;
   }
   float v[RPT][NCH][N], mx[RPT], s[RPT], fac[RPT];
-  // Whole-chunk rows without a mask (one row per thread) fold their max and terms as the
-  // lean kernels do where no chunk is partly visible (smx_fold_whole; v holds x unscaled
-  // then); STORE stays v * fac.  (In the general kernels the fold spilled.)
-  enum { FOLD = SmxFold<T, M>::ON && !M::PRESENT && SMX_LEAN_FOLDS && RPT == 1 && AL };
-  const float sl = p.scale * SMX_LOG2E;
-  const bool fold = FOLD && sl > 0.0f && sl < SMX_INF && smx_fold_whole<T, M>(rw[0]);
-  if constexpr (FOLD) {
-    if (fold) {
-      smx_fold_hide_past<T, M, NCH>(cx[0], rw[0], lane, tpr);
-      mx[0] = smx_fold_max<T, NCH>(cx[0]) * p.scale;
-#pragma unroll
-      for (int k = 0; k < NCH; ++k) smx_chunk_f32<T>(cx[0][k], v[0][k]);
-    }
-  }
-  if (!fold) smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
+  smx_fwd_values<T, M, NCH, RPT, AL>(v, mx, cx, cm, rw, lane, tpr, p.scale);
   smx_warp_allreduce<OpMax, RPT>(mx, tpr);
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     const float mu = smx_max_use(mx[r]);
     s[r] = 0.0f;
-    if (fold && fabsf(mu) < SMX_FOLD_MAX) {
-      const float ml = mu * SMX_LOG2E;
-#pragma unroll
-      for (int k = 0; k < NCH; ++k)
-#pragma unroll
-        for (int e = 0; e < N; ++e) {
-          v[r][k][e] = smx_exp2(fmaf(v[r][k][e], sl, -ml));
-          s[r] += v[r][k][e];
-        }
-      continue;
-    }
 #pragma unroll
     for (int k = 0; k < NCH; ++k)
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        // (held unscaled where the row folded its max: x * scale, as VALUES rounds it)
-        v[r][k][e] = smx_term(fold ? v[r][k][e] * p.scale : v[r][k][e], mu);
+        v[r][k][e] = smx_term(v[r][k][e], mu);
         s[r] += v[r][k][e];
       }
   }

@@ -52,7 +52,9 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 # spill loads) bytes each, the most ptxas reported with NVRTC 13.0 (the build's pin) and 13.5
 # (which `pip` installs today) for the kernel sources of commit 6079bf0; an entry marked
 # with one version is local memory under that one alone.  Entries that neither reported
-# any more were dropped then, so that a kernel that starts to spill again fails here.
+# any more were dropped then, so that a kernel that starts to spill again fails here.  The
+# entries of the 16-bit lean and edged lean kernels (8 chunks, no mask) were taken again
+# for the fold (SmxFold, SmxEdgedFold in softmax_fwd.cu; commit e900113 and after).
 # Every other kernel of every architecture must have no stack frame and no spills; a
 # kernel that starts spilling, or spills more, fails the test.  Why each is allowed:
 # - ptxas caps registers to keep occupancy (64 where two 512-thread blocks share an SM, 40
@@ -64,10 +66,11 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 #   one block per SM instead of two: not clearly faster, so not taken without a GPU
 #   measurement.
 # - the bf16 lean kernel (8 chunks per thread, no mask, whole-chunk rows; see SMX_HELD_VALUES)
-#   on sm_75 to sm_89: held to 64 registers for four 256-thread blocks per SM, it keeps its
-#   32 registers of raw chunks and spills a few row values (the y row pointer among them:
-#   a store and a load per thread).  The fp16 one fits, and so does the bf16 one on sm_90
-#   (64 registers, no local memory with NVRTC 13.0 and 13.5).  Measured on the H200 against
+#   on sm_75: held to 64 registers for four 256-thread blocks per SM, it keeps its 32
+#   registers of raw chunks and spills a few row values (the y row pointer among them: a
+#   store and a load per thread).  The fp16 one fits, and so does the bf16 one from sm_80
+#   on, where the passes fold (no local memory with NVRTC 13.0 and 13.5; before the fold
+#   8-32 bytes on sm_80 to sm_89).  Measured on the H200 against
 #   the 4-chunk kernel without spills: 94.5 against 81.8% of copy at Sk 16384, 95.6 against
 #   91.7 at 8192.
 # - the STORE of a row's partial first and last chunk as aligned 2/4/8-byte pieces (rows off
@@ -81,55 +84,52 @@ RESOURCE_REPORT = ("--ptxas-options=-v",)
 #   softmax_fwd.cu): the general kernels hold a lane's edge key (its index and value) beside
 #   their chunks.  The 4-chunk ones spill 8 bytes on sm_80/86/89 (and on sm_100/120 with
 #   13.5); the 8-chunk ones (edged rows in the lean shape, held to the lean kernels' 64
-#   registers on sm_75 to sm_90) 4-24 bytes on sm_75 to sm_90, 8 in bf16 on sm_120, none on
-#   sm_100.  On the H200 the 8-chunk kernels with 24 bytes
-#   of spills measured faster than at 80 registers without any (three blocks per SM): Sk
-#   4097 fp16 / bf16 92.9 / 91.8% of copy against 91.7 / 88.0, Sk 16383 91.8 / 90.2 against
-#   88.7 / 86.6; the kernels as built spill 8 / 0 bytes there.
+#   registers on sm_75 to sm_90; their max and sum fold) 16-24 bytes on sm_75 to sm_89,
+#   none on sm_90, and with 13.5 alone 8 (sm_100) and 28 (sm_120) in bf16, where the
+#   bf16 kernel does not fold.  On the H200 the 8-chunk kernels with 24 bytes of spills
+#   measured faster than at 80 registers without any (three blocks per SM): Sk 4097 fp16 /
+#   bf16 92.9 / 91.8% of copy against 91.7 / 88.0, Sk 16383 91.8 / 90.2 against 88.7 / 86.6.
 # - 8-byte masks (int64/uint64/float64, rare): a mask chunk is 2 to 4 times x's, so these
 #   kernels hold the most raw registers in flight, at the caps above or at the hard 128 of
 #   a 512-thread row (fp32 rows of 8 chunks: 32 registers of x, 64 of mask).
 # - the max subtracted before the exponent's scaling (smx_term: exact for scores of any
 #   size) is one instruction more per element where the values are held: 8 bytes more in
 #   the 4-chunk edged bf16 kernel on sm_86/89 and the fp32 8-chunk whole-chunk kernel on
-#   sm_75.  (Where the passes compute the values again, the shift folds into x * scale: the
-#   lean and edged lean kernels spill less than before, none on sm_90 in the lean one and
-#   at most 8 bytes on sm_120 in the edged ones.)
+#   sm_75.  Where the passes compute the values again, x * scale is rounded before the
+#   shift (smx_fwd_values): 4 bytes more in the bf16 lean kernels on sm_75, which do not
+#   fold there.
 # sm_86 and sm_89 (the same SM: 1536 threads, 64K registers) report the same.
 _SM86_89: dict[str, tuple[int, int, int]] = {
-    "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (8, 8, 8),
-    "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (24, 28, 20),
+    "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (16, 16, 12),
     "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
     "smx_fwd<float, MaskHide<smx_u8>, 2, 1, false>": (8, 4, 4),  # NVRTC 13.0 only
     "smx_fwd<float, MaskHide<smx_u16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd<float, MaskAdd<smx_f16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd<float, MaskAdd<smx_bf16>, 2, 1, false>": (8, 4, 4),
     "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),  # NVRTC 13.5 only
-    "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (8, 8, 12),
+    "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 12, 16),
     "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),
-    "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (8, 4, 4),
-    "smx_fwd<smx_bf16, MaskNone, 4, 1, false>": (16, 16, 16),
-    "smx_fwd<smx_bf16, MaskNone, 2, 1, false>": (8, 4, 4),  # NVRTC 13.0 only
+    "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 12, 16),
+    "smx_fwd<smx_bf16, MaskNone, 4, 1, false>": (8, 8, 8),
 }
 KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
     "sm_75": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 36, 28),
         "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),  # NVRTC 13.5 only
         "smx_fwd<float, MaskNone, 8, 1, true>": (16, 16, 12),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
         "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 16, 24),
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 12, 16),
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 12, 20),
     },
     "sm_80": {
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, true>": (24, 32, 24),
         "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 4, 4),  # NVRTC 13.5 only
         "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (16, 16, 12),
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (16, 16, 16),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (24, 20, 20),
-        "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 16, 24),
+        "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (16, 12, 16),
         "smx_fwd<smx_f16, MaskNone, 4, 1, false>": (8, 8, 8),
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 12, 20),
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 12, 16),
         "smx_fwd<smx_bf16, MaskNone, 4, 1, false>": (8, 8, 8),
     },
     "sm_86": _SM86_89,
@@ -139,9 +139,9 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd_loop<float, MaskHide<smx_u32>, 4>": (16, 12, 12),  # NVRTC 13.0 only
         "smx_fwd_loop<float, MaskAdd<float>, 4>": (16, 12, 12),  # NVRTC 13.0 only
         "smx_fwd_loop<float, MaskHide<smx_u8>, 4>": (8, 8, 8),  # NVRTC 13.5 only
-        "smx_fwd<smx_f16, MaskNone, 8, 1, false>": (8, 8, 8),
     },
     "sm_100": {
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
         "smx_fwd<float, MaskHide<smx_u8>, 8, 1, true>": (8, 16, 8),  # NVRTC 13.0 only
         "smx_fwd<float, MaskHide<smx_u64>, 8, 1, false>": (32, 48, 48),
         "smx_fwd<float, MaskAdd<double>, 8, 1, false>": (32, 48, 48),
@@ -166,7 +166,7 @@ KNOWN_LOCAL_MEMORY: dict[str, dict[str, tuple[int, int, int]]] = {
         "smx_fwd<smx_bf16, MaskAdd<smx_bf16>, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
         "smx_bwd<smx_f16, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
         "smx_bwd<smx_bf16, 4, 1, false>": (8, 4, 4),  # NVRTC 13.5 only
-        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (8, 8, 8),  # NVRTC 13.5 only
+        "smx_fwd<smx_bf16, MaskNone, 8, 1, false>": (16, 24, 28),  # NVRTC 13.5 only
     },
 }
 

@@ -179,11 +179,11 @@ def test_lean_kernels_with_every_row_source(dtype, sk):
 @pytest.mark.parametrize("sk", [1000, 4097, 12000, 16383])
 @pytest.mark.parametrize("scale", [2.5, 30.0, 1e-3, 0.0, -1.3, 1e38, 3e38])
 def test_folded_rows_at_every_kind_of_scale(dtype, sk, scale):
-    """16-bit rows without a mask fold (sm_80 to sm_100; the 4-chunk kernels at 1000 keys,
-    the lean ones at 12000: the max over pairs of 16-bit values, one FMA in each term's
-    exponent, and in the lean kernels' outputs'; the edged lean ones at 4097 and 16383: the
-    max and the sum's terms, hidden keys -inf in x's bits) where 0 < scale * log2e < inf, a
-    thread's chunks are all visible (whole-chunk rows) and the max is below SMX_FOLD_MAX: logits of hundreds
+    """16-bit rows without a mask fold (sm_80 to sm_100; the lean kernels at 12000 keys: the
+    max over pairs of 16-bit values, one FMA in each term's and output's exponent; the edged
+    lean ones at 4097 and 16383: the max and the sum's terms, hidden keys -inf in x's bits;
+    the 4-chunk kernels at 1000 keys do not) where 0 < scale * log2e < inf, a thread's chunks
+    are all visible (whole-chunk rows) and the max is below SMX_FOLD_MAX: logits of hundreds
     (std 40, scale 2.5), past SMX_FOLD_MAX (scale 30: the exact terms), a zero, a negative,
     an overflowing x * scale (1e38: such rows turn NaN) and an overflowing scale * log2e
     (3e38: the exact path); key_lengths that cut a row inside a thread's chunks (the fold
