@@ -157,8 +157,10 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
 # values, one FMA in each term's and output's exponent, on sm_80 to sm_100, where the row
 # has no partial chunk and its max is below SMX_FOLD_MAX), and so do the edged lean rows' max
 # and sum.  (The 4-chunk rows' max and terms folded too measured the same at Sk 1000, 98.1 /
-# 97.8, and slower causal: fp16 [8,32,2048,2048] 0.979 ms against 0.886-0.895 in earlier
-# runs, 63 registers against 54 in its blocks of 64 threads.)  On the H200, % of copy in one run, two rounds each,
+# 97.8, and causal fp16 [8,32,2048,2048] took 0.979 ms against 0.886-0.895 in earlier runs;
+# unfolded again it took 0.929 while its held values were x * scale by __fmul_rn, 63
+# registers against 54 in its blocks of 64 threads; by an FMA with -0 again 0.892, the
+# build before the fold 0.893 in the same run.)  On the H200, % of copy in one run, two rounds each,
 # unfolded -> folded, fp16 / bf16: Sk 12000 88.6 -> 96.6 / 88.0 -> 96.4, 16384 95.6 -> 96.3 /
 # 94.8 -> 96.1, 8192 97.0 -> 96.4 / 96.6 -> 96.2, 2048 97.2 -> 96.6 / 97.3 -> 96.6, 1000
 # 98.0 -> 98.1 / 97.9 -> 97.8; edged 4097 96.5 -> 95.8 / 95.4 -> 96.5, 16383 96.2 -> 95.2 /
