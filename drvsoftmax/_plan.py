@@ -136,6 +136,19 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
 # 0.917 / 0.923.  That case's DRAM traffic is its minimum (1.09 GB read, 2.12 GB written);
 # two thirds of it are writes, and a write-only stream (zero_) reached 3363 GB/s against a
 # copy's 4255 in the same run (3316-3343 against 4166-4244 in another).
+# Where the forwards still short of their targets stand (ncu on the H200 at its base clock,
+# 1.44 GHz, kernels of b25d0e1, NVRTC 13.0; the benchmark runs at the boost clock):
+#   case                               regs  CTAs/SM  warps/SM  DRAM %  SM %  issue/sched
+#   fp16 [2,8,512,65536], cluster of 2   80       3        23    74.5  67.6         0.67
+#   fp32 [2,8,256,65536], cluster of 4   64       4        31    78.9  60.4         0.64
+#   fp32 [65520,4097], 288 threads       40       5        42    69.5  78.8         0.79
+#   fp32 [65536,4096], 256 threads       40       6        46    85.1  72.3         0.73
+#   fp16 [2,16,512,16384] + bool mask    56       2        30    62.8  67.0         0.67
+# The 4097-key fp32 row issues about 1.3x the instructions of the 4096-key one (its first and
+# last chunks element by element, the per-chunk visibility tests) in 1.24x the cycles (the
+# edged path at 4 chunks, and 8 chunks per thread, measured slower, above and below).  The
+# cluster rows keep about 1.7-1.8 eligible warps per scheduler (four CTAs per SM instead of
+# three measured no faster: see smx_fwd_cluster in softmax_cluster.cu).
 
 
 # 16-bit x without a mask, whole-chunk rows of more than LEAN_FROM chunks (Sk > 1024): 8
