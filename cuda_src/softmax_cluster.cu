@@ -335,7 +335,8 @@ struct SmxCoopX {
 // ---------------------------------------------------------------------------------
 // The interior of a row in the cluster tier's forward: steps of K chunks per thread
 // that are all whole and visible (a step of the slice lies in [c0, c1)) need no per-element
-// checks.  (The lean kernels of softmax_fwd.cu fold alike, without a mask.)  For 16-bit x with no additive mask and 0 < scale * log2e < inf, the scale also
+// checks (the lean kernels of softmax_fwd.cu fold alike, without a mask).  For 16-bit x
+// with no additive mask and 0 < scale * log2e < inf, the scale also
 // folds into STORE's exponent FMA (the max of x * scale is scale * max(x): rounding is
 // monotonic), as does its 1 / sum into the exponent: y = 2^(x * scale * log2e - max * log2e
 // - log2(sum)).  What that changes (ex2 / lg2 approximations, about 2^-22 relative) is far
@@ -347,7 +348,8 @@ struct SmxCoopX {
 // (hidden: -inf) before the max and the conversion, the max is taken on pairs of 16-bit
 // values, and the terms fold alike (one FMA each) where a step's max is below SMX_FOLD_MAX
 // (exact above): the sum is off by less than 2^-14 relative, an output by less than 2^-13.
-// (SmxFold, SMX_FOLD_MAX, SmxNegInf2, smx_max2 and smx_fold_max: softmax_fwd.cu.)
+// (SmxFold, SMX_FOLD_MAX, SmxNegInf2, smx_neg_inf_where, smx_max2 and smx_fold_max:
+// softmax_fwd.cu.)
 // The raw chunk with its hidden elements made -inf in x's own bits.  Masks of one-byte
 // elements take four elements a word: bit 7 of each byte of w | ((w & 0x7f..) + 0x7f..)
 // is set where the byte is nonzero, and prmt's sign mode spreads it over a 16-bit half.
@@ -362,7 +364,7 @@ __device__ __forceinline__ void smx_fold_hide(Chunk<T>& c, const MaskChunk<M, Ch
     for (int i = 0; i < N / 2; ++i) {
       smx_u32 h;
       asm("prmt.b32 %0, %1, 0, %2;" : "=r"(h) : "r"(t[i >> 1]), "r"((i & 1) ? 0xbbaau : 0x9988u));
-      c.w[i] = (c.w[i] & ~h) | ((smx_u32)SmxNegInf2<T>::V & h);
+      c.w[i] = smx_neg_inf_where<T>(c.w[i], h);
     }
   } else {
 #pragma unroll

@@ -336,6 +336,10 @@ template <typename T, class M> struct SmxFold {
 template <typename T> struct SmxNegInf2;
 template <> struct SmxNegInf2<smx_f16> { enum : smx_u32 { V = 0xfc00fc00u }; };
 template <> struct SmxNegInf2<smx_bf16> { enum : smx_u32 { V = 0xff80ff80u }; };
+// Word w of 16-bit values with the halves that h selects (0xffff each) made -inf.
+template <typename T> __device__ __forceinline__ smx_u32 smx_neg_inf_where(smx_u32 w, smx_u32 h) {
+  return (w & ~h) | ((smx_u32)SmxNegInf2<T>::V & h);
+}
 // The larger of each half of two words of 16-bit floats (a NaN loses to a number, as in
 // fmaxf: a NaN element still makes its terms, and so the row, NaN).
 #if __CUDA_ARCH__ >= 800
@@ -565,6 +569,14 @@ template <typename T, int NCH> struct SmxEdged {
   static __device__ __forceinline__ bool fits(int tpr) { return tpr * E >= 2 * (N - 1); }
 };
 
+// The edged row's keys j >= clim of the chunk at key j0 made -inf.
+template <int N> __device__ __forceinline__ void smx_edged_hide(float (&v)[N], int j0, int clim) {
+  if (j0 + N > clim) {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (j0 + e >= clim) v[e] = -SMX_INF;
+  }
+}
 // Values of the edged row's chunk at key j0 (keys j >= clim hidden).
 template <typename T>
 __device__ __forceinline__ void smx_edged_values(float (&v)[Chunk<T>::N], const Chunk<T>& c, int j0, int clim,
@@ -572,11 +584,7 @@ __device__ __forceinline__ void smx_edged_values(float (&v)[Chunk<T>::N], const 
   enum { N = Chunk<T>::N };
 #pragma unroll
   for (int e = 0; e < N; ++e) v[e] = __fmul_rn(smx_to_f32(c.e[e]), scale) - shift;  // (see smx_fwd_values)
-  if (j0 + N > clim) {
-#pragma unroll
-    for (int e = 0; e < N; ++e)
-      if (j0 + e >= clim) v[e] = -SMX_INF;
-  }
+  smx_edged_hide(v, j0, clim);
 }
 
 // The edged lean kernels fold their sum's terms on sm_80 and later in fp16, on sm_80 to
@@ -590,13 +598,8 @@ template <> struct SmxEdgedFold<smx_bf16> { enum { ON = __CUDA_ARCH__ < 1000 }; 
 // x of the chunk as fp32, unscaled (the fold's terms; keys j >= clim -inf).
 template <typename T>
 __device__ __forceinline__ void smx_edged_raw(float (&u)[Chunk<T>::N], const Chunk<T>& c, int j0, int clim) {
-  enum { N = Chunk<T>::N };
   smx_chunk_f32<T>(c, u);
-  if (j0 + N > clim) {
-#pragma unroll
-    for (int e = 0; e < N; ++e)
-      if (j0 + e >= clim) u[e] = -SMX_INF;
-  }
+  smx_edged_hide(u, j0, clim);
 }
 
 template <typename T, class M, int NCH>
@@ -711,7 +714,7 @@ __device__ __forceinline__ void smx_fwd_edged_lean(const FwdRow<T, M>& rw, bool 
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const smx_u32 m = (j0 + 2 * i >= clim ? 0x0000ffffu : 0u) | (j0 + 2 * i + 1 >= clim ? 0xffff0000u : 0u);
-            cx[0][k].w[i] = (cx[0][k].w[i] & ~m) | ((smx_u32)SmxNegInf2<T>::V & m);
+            cx[0][k].w[i] = smx_neg_inf_where<T>(cx[0][k].w[i], m);
           }
         }
       }
