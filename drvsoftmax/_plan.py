@@ -133,9 +133,10 @@ def wide_mask(itemsize: int, mask_kind: str) -> bool:
 #   (bf16 81.9 / 77.4 / 77.3 -> 65.0 / 61.3 / 60.9).
 # Nor did storing the zeros past a causal or key_lengths prefix right after LOAD (while the
 # loads are in flight) win: fp16 [8,32,2048,2048] causal 0.942 / 0.936 / 0.911 ms -> 0.914 /
-# 0.917 / 0.923.  That case's DRAM traffic is its minimum (1.09 GB read, 2.12 GB written);
-# two thirds of it are writes, and a write-only stream (zero_) reached 3363 GB/s against a
-# copy's 4255 in the same run (3316-3343 against 4166-4244 in another).
+# 0.917 / 0.923.  That case's DRAM traffic is its minimum (1.09 GB read, 2.12 GB written).
+# (torch's zero_ writes at 3312-3363 GB/s, but that is its kernel: plain 16-byte stores
+# wrote the case's 2.15 GB of y in 0.483-0.487 ms, 4.4 TB/s; see ROW_OWN_BLOCK for what
+# bounds the case.)
 # Where the forwards still short of their targets stand (ncu on the H200 at its base clock,
 # 1.44 GHz, kernels of b25d0e1, NVRTC 13.0; the benchmark runs at the boost clock):
 #   case                               regs  CTAs/SM  warps/SM  DRAM %  SM %  issue/sched
@@ -796,7 +797,16 @@ def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
 # 1.186; 1 chunk 1.593 / 1.598.  A plain kernel that moves the case's bytes (the chunks
 # holding a visible key read, the whole row written) with no arithmetic took 0.792-0.799 ms
 # in its 8 best timings (52 shapes, two rounds each; 0.902-0.924 for this kernel in the same
-# run): what bounds that case is the softmax's phases, not its traffic.
+# run), 0.809 / 0.822 ms in blocks of 256 / 64 threads in another (0.888 for this kernel).
+# What bounds the case is the kernel's instructions: ncu at the base clock saw 676M warp
+# instructions against the plain kernel's 90M, and a scheduler without an eligible warp on
+# only 20% of cycles (the plain kernel: 86%).  Cutting the work of the chunks wholly past a
+# row's prefix (smx_hide_past and SmxPast in softmax_fwd.cu: 647M, then 619M) took it from
+# 0.892 to 0.847 ms (bf16 0.924 -> 0.864).  Also measured then and not kept (fp16, ms, two
+# rounds): blocks taking rows in the order 0, R-1, 1, R-2, ... (short and long prefixes
+# side by side) 0.909 / 0.908 against 0.888 / 0.887, rows from the last 0.899 / 0.899 (the
+# plain kernel the same either way), 48 registers (__maxnreg__: 21 blocks per SM against 18,
+# 24 bytes of stack) 0.902 / 0.902, and the 16-bit masked kernels so capped lost 10-15%.
 ROW_OWN_BLOCK = True
 
 

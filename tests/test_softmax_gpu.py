@@ -236,6 +236,27 @@ def test_causal_bottom_right(dtype, sq, sk):
     _check_forward(x, causal=True, scale=0.5, what=f"causal {sq}x{sk}")
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sk", [520, 1024, 2048])
+def test_causal_rows_ignore_what_they_hide(dtype, sk):
+    """Square causal rows (every prefix length from 1 key to Sk) in the whole-chunk kernels
+    of 4 chunks per thread, with NaN, +-inf and huge scores in every key past a row's
+    prefix: the chunks wholly past it (16-bit: neither read nor converted) and the hidden
+    keys of its partly visible chunk let none of it into the row; then key_lengths cut
+    some rows shorter still."""
+    from drvsoftmax import _plan
+
+    assert _plan.plan_forward(64, sk, dtype, "none", True, True, causal=True).nch == 4
+    x = _rand((2, 1, sk, sk), DTYPES[dtype])
+    junk = torch.tensor([float("nan"), float("inf"), float("-inf"), 6.0e4], dtype=DTYPES[dtype], device="cuda")
+    i = torch.arange(sk, device="cuda")
+    past = i[None, :] > i[:, None]
+    x = torch.where(past, junk[(i[:, None] + 3 * i[None, :]) % 4], x)
+    _check_forward(x, scale=0.6, causal=True, what=f"{dtype} Sk={sk} causal, junk past the prefix")
+    kl = torch.tensor([sk // 3 + 1, sk], dtype=torch.int32, device="cuda")
+    _check_forward(x, scale=-0.9, causal=True, key_lengths=kl, what=f"{dtype} Sk={sk} causal klen, junk")
+
+
 @pytest.mark.parametrize("kl_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("sk", [5, 300, 20000, 40000])
 def test_key_lengths(kl_dtype, sk):
