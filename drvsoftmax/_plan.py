@@ -802,11 +802,14 @@ def row_chunks(sk: int, itemsize: int, aligned_rows: bool = True) -> int:
 # instructions against the plain kernel's 90M, and a scheduler without an eligible warp on
 # only 20% of cycles (the plain kernel: 86%).  Cutting the work of the chunks wholly past a
 # row's prefix (smx_hide_past and SmxPast in softmax_fwd.cu: 647M, then 619M) took it from
-# 0.892 to 0.847 ms (bf16 0.924 -> 0.864).  Also measured then and not kept (fp16, ms, two
-# rounds): blocks taking rows in the order 0, R-1, 1, R-2, ... (short and long prefixes
-# side by side) 0.909 / 0.908 against 0.888 / 0.887, rows from the last 0.899 / 0.899 (the
-# plain kernel the same either way), 48 registers (__maxnreg__: 21 blocks per SM against 18,
-# 24 bytes of stack) 0.902 / 0.902, and the 16-bit masked kernels so capped lost 10-15%.
+# 0.892 to 0.847 ms (bf16 0.924 -> 0.864), and 16-bit terms by one FMA each where the max is
+# below SMX_FOLD_MAX (smx_fwd_body) from 0.842 to 0.821 (bf16 0.858 -> 0.834; rows without
+# a prefix and the masked ones within 1%, three rounds).  Also measured then and not kept
+# (fp16, ms, two rounds): blocks taking rows in the order 0, R-1, 1, R-2, ... (short and
+# long prefixes side by side) 0.909 / 0.908 against 0.888 / 0.887, rows from the last 0.899 /
+# 0.899 (the plain kernel the same either way), 48 registers (__maxnreg__: 21 blocks per SM
+# against 18, 24 bytes of stack) 0.902 / 0.902, and the 16-bit masked kernels so capped lost
+# 10-15%.
 ROW_OWN_BLOCK = True
 
 

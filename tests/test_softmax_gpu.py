@@ -257,6 +257,23 @@ def test_causal_rows_ignore_what_they_hide(dtype, sk):
     _check_forward(x, scale=-0.9, causal=True, key_lengths=kl, what=f"{dtype} Sk={sk} causal klen, junk")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sk", [200, 1000, 2048])
+@pytest.mark.parametrize("top", [1000.0, 1100.0])
+def test_terms_either_side_of_the_fold_limit(dtype, sk, top):
+    """16-bit rows of the kernels that hold their values (2 and 4 chunks per thread; causal
+    rows of 2048 keys) whose max lies just below SMX_FOLD_MAX (each term one FMA in its
+    exponent) or just above it (exact terms), the scores spread over a few units so that many
+    terms count: within the dtype's tolerance of float64, with and without a mask."""
+    shape = (2, 3, 4, sk)
+    x = (top + _rand(shape, torch.float32, scale=3.0)).to(DTYPES[dtype])
+    what = f"{dtype} Sk={sk} max near {top}"
+    _check_forward(x, scale=1.0, what=what)
+    _check_forward(x, scale=1.0, causal=True, what=what + " causal")
+    _check_forward(x, _make_mask("bool_b1qk", shape, DTYPES[dtype]), scale=1.0, what=what + " bool mask")
+    _check_forward(x, _make_mask("add_own_b1qk", shape, DTYPES[dtype]), scale=1.0, what=what + " additive mask")
+
+
 @pytest.mark.parametrize("kl_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("sk", [5, 300, 20000, 40000])
 def test_key_lengths(kl_dtype, sk):
@@ -282,8 +299,17 @@ def test_nonfinite_rows(dtype, sk):
 
 @pytest.mark.parametrize("scale", [0.0, -1.5, 1e-30, 1e4])
 def test_scales(scale):
+    """Scales of every kind on fp32 rows.  The scores are x * scale rounded to fp32 (as in
+    torch.softmax(x * scale)): at scale 1e4 a score near 3e4 carries up to 0.001 of rounding,
+    a factor e^0.001 on a term, beyond fp32's tolerance against the unrounded product, so
+    the reference takes the rounded scores (against the unrounded ones the check failed on
+    some draws of x)."""
     x = _rand((2, 3, 4, 77), torch.float32)
-    _check_forward(x, scale=scale, what=f"scale={scale}")
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    y = drvsoftmax.scaled_masked_softmax(x, scale=scale, out=out)
+    torch.cuda.synchronize()
+    ref = _reference.softmax_forward(_np(x * scale), None, 1.0)
+    assert_matches(_np(y), ref, "float32", f"scale={scale}")
 
 
 @pytest.mark.parametrize("sk", [33, 1024, 40000])
