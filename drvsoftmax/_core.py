@@ -403,8 +403,15 @@ CHUNK_ELEMS = {2: 8, 4: 4}
 # H200).  Measured there, mask [B,1,Sq,Sk] on x [B,H,Sq,Sk], % of copy row-major -> heads
 # innermost: additive fp32 at Sk 2048 (48 MiB apart) 71 -> 89, at 4096 (192 MiB) 70 -> 88;
 # additive fp16 at 4096 (96 MiB) 70 -> 86, at 16384 (48 MiB) 71 -> 76; bool fp32 at 4096
-# (144 MiB) 89 -> 92; at 20-24 MiB apart (Sk 2048 fp16) heads innermost lost 1%.
-MASK_REUSE_BYTES = 32 << 20
+# (144 MiB) 89 -> 92.  Between 20 and 24 MiB apart the GPUs differ (two rounds each): at 24
+# MiB (additive 16-bit [8,32,2048,2048]) heads innermost took fp16 92.4 / 92.0 -> 93.5 /
+# 92.7 on the H200 and 85.8 -> 94.5 (bf16 85.9 -> 94.6-95.3) on an H100 80GB HBM3; at 20
+# MiB (bool fp16, the same shape) 96.1 / 97.0 -> 93.6 / 93.4 on the H200, 93.9 -> 95.2 on
+# the H100.  So the limit lies between the two.  Also measured then and not kept: heads
+# innermost within tiles of T query rows (rows b, q // T, h, q % T), T = 16 / 64 / 256 on the
+# H200: below heads innermost at every case but additive fp32 at 2048 keys (fp16 additive
+# 16384: 84.8 / 85.4 against 81.6 / 82.4, 81.7 / 82.1, 79.1 / 80.1).
+MASK_REUSE_BYTES = 22 << 20
 
 
 def _row_maps(

@@ -609,7 +609,8 @@ def _fwd_maps(v, name):
     [
         ((2, 32, 4096, 4096), (2, 1, 4096, 4096), True),  # a mask per batch, shared by 32 heads: heads innermost
         ((2, 16, 512, 16384), (1, 1, 512, 16384), True),  # 48 MiB between uses
-        ((8, 32, 2048, 2048), (8, 1, 2048, 2048), False),  # 24 MiB between uses: row-major
+        ((8, 32, 2048, 2048), (8, 1, 2048, 2048), True),  # 24 MiB between uses (fp16 additive)
+        ((8, 32, 1024, 2048), (8, 1, 1024, 2048), False),  # 12 MiB between uses: row-major
         ((2, 32, 4096, 4096), (2, 1, 1, 4096), False),  # a key-padding mask: reused at once
         ((3, 5, 7, 9), (3, 1, 7, 9), True),  # small, with the threshold lowered below
         ((3, 5, 7, 9), (1, 1, 7, 9), True),

@@ -326,7 +326,7 @@ static inline smx_i64 smx_max_chunks(int itemsize) {
 #define SMX_ROW_OWN_BLOCK 1  // see smx_choose_shape
 #define SMX_LEAN_NCH 8
 #define SMX_MAX_SK 2147483647LL  // row length limit (row-internal indices are 32-bit)
-#define SMX_MASK_REUSE_BYTES 33554432LL  // see smx_mask_row_order
+#define SMX_MASK_REUSE_BYTES 23068672LL  // see smx_mask_row_order
 // Register tier, by chunks per row C: {limit, chunks per thread, rows per thread}; rows of C
 // chunks take the first row with C <= limit, the limits capped at smx_max_chunks (threads per
 // row: C / chunks per thread rounded up to a power of two); longer rows take the looped tier.
