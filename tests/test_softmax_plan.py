@@ -658,6 +658,28 @@ def test_mask_row_order_walks_every_row_once_with_consistent_maps(monkeypatch, s
         assert len(seen) == rows
 
 
+@pytest.mark.parametrize(
+    "mdtype, xdtype, inner",
+    [
+        ("bool", "float16", False),
+        ("float16", "float16", True),
+        ("bfloat16", "bfloat16", True),
+        ("bool", "float32", True),
+    ],
+)
+def test_mask_row_order_limit_between_bool_and_additive_16bit_at_2048_keys(mdtype, xdtype, inner):
+    """[8,32,2048,2048] with a mask [8,1,2048,2048]: 20 MiB of x, y and a bool mask pass
+    between two uses of one mask row (row-major), 24 MiB with a 16-bit additive one and 36 MiB
+    with a bool mask on fp32 x (heads innermost): the limit, MASK_REUSE_BYTES, lies between."""
+    shape, mshape = (8, 32, 2048, 2048), (8, 1, 2048, 2048)
+    ms = _core_contiguous(mshape)
+    m = _core.Operand(0, mdtype, mshape, ms)
+    mst = _core.broadcast_strides("mask", mshape, ms, shape)
+    itemsize = 4 if xdtype == "float32" else 2
+    order = _core._mask_row_order(shape[:-1], shape[-1], itemsize, mst, m)
+    assert order == ((0, 2, 1) if inner else (0, 1, 2))
+
+
 def _core_contiguous(shape):
     out, acc = [], 1
     for n in reversed(shape):
