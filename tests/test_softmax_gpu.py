@@ -76,14 +76,16 @@ def _rand(shape, dtype, scale=3.0):
     return (torch.from_numpy(_gen.standard_normal(shape) * scale)).to(dtype).cuda()
 
 
-def _check_forward(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, what=""):
+def _check_forward(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, what="", rounded_scores=False):
+    """`rounded_scores`: the reference takes x * scale rounded to x's dtype (as torch.softmax(x * scale))."""
     dt = str(x.dtype).replace("torch.", "")
     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
     y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out)
     assert y is out
     torch.cuda.synchronize()
+    ref_x, ref_scale = (_np(x * scale), 1.0) if rounded_scores else (_np(x), scale)
     ref = _reference.softmax_forward(
-        _np(x), None if mask is None else _np(mask), scale, causal, None if key_lengths is None else _np(key_lengths)
+        ref_x, None if mask is None else _np(mask), ref_scale, causal, None if key_lengths is None else _np(key_lengths)
     )
     got = _np(y)
     assert_matches(got, ref, dt, what)
@@ -305,11 +307,7 @@ def test_scales(scale):
     the reference takes the rounded scores (against the unrounded ones the check failed on
     some draws of x)."""
     x = _rand((2, 3, 4, 77), torch.float32)
-    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
-    y = drvsoftmax.scaled_masked_softmax(x, scale=scale, out=out)
-    torch.cuda.synchronize()
-    ref = _reference.softmax_forward(_np(x * scale), None, 1.0)
-    assert_matches(_np(y), ref, "float32", f"scale={scale}")
+    _check_forward(x, scale=scale, rounded_scores=True, what=f"scale={scale}")
 
 
 @pytest.mark.parametrize("sk", [33, 1024, 40000])
