@@ -545,3 +545,39 @@ def test_host_times_take_turns_and_leave_out_a_failing_provider():
     seq.clear()
     res = host_torch.time_rows_us(rows, lambda: None, 2, 2, time.perf_counter)
     assert set(res) == {"x", "y"} and seq[4:] == ["x", "x", "y", "y", "x", "x", "y", "y"]
+
+
+# A stand-in for the cold-start child on the CPU: what it imported drvsoftmax from, and
+# whether that copy's modules came with bytecode.
+_COLD_PROBE = r"""
+import importlib.util, json, os, sys
+import drvsoftmax
+from drvsoftmax import _plan
+pyc = importlib.util.cache_from_source(_plan.__file__)
+print(json.dumps({"from": drvsoftmax.__file__, "bytecode": os.path.isfile(pyc),
+                  "sources": os.path.isdir(os.path.join(os.path.dirname(drvsoftmax.__file__), "cuda_src")),
+                  "no_jit": os.environ.get("DRVSOFTMAX_NO_JIT"), "shape": sys.argv[1]}))
+"""
+
+
+@pytest.mark.parametrize("with_bytecode", [True, False])
+def test_cold_start_child_runs_a_copy_laid_out_as_installed(monkeypatch, with_bytecode):
+    from softbench import runner
+
+    monkeypatch.setattr(runner, "COLD_CHILD", _COLD_PROBE)
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    res = runner._cold_child(with_bytecode=with_bytecode)
+    assert not res["from"].startswith(str(REPO)), res["from"]
+    assert res["from"].endswith("drvsoftmax/__init__.py")
+    assert res["bytecode"] is with_bytecode
+    assert res["sources"] and res["no_jit"] == "1"
+    assert res["shape"] == C.shape_str(C.COLDSTART_SHAPE)
+
+
+def test_cold_start_child_refuses_a_package_imported_from_elsewhere(monkeypatch):
+    from softbench import runner
+
+    probe = "import json, sys; print(json.dumps({'from': sys.argv[0]}))"
+    monkeypatch.setattr(runner, "COLD_CHILD", probe)
+    with pytest.raises(RuntimeError, match="not from the copy"):
+        runner._cold_child(with_bytecode=False)
