@@ -555,7 +555,8 @@ def _cold_child(with_bytecode: bool) -> dict:
         site = Path(tmp) / "site"
         pkg = site / "drvsoftmax"
         shutil.copytree(REPO / "drvsoftmax", pkg, ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(REPO / "cuda_src", pkg / "cuda_src")
+        if not (pkg / "cuda_src").is_dir():  # a source tree keeps the kernels beside the package
+            shutil.copytree(REPO / "cuda_src", pkg / "cuda_src")
         env = {**os.environ, "PYTHONPATH": str(site), "DRVSOFTMAX_NO_JIT": "1", "DRVSOFTMAX_CACHE_DIR": tmp}
         env.pop("PYTHONPYCACHEPREFIX", None)
         if with_bytecode:
