@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -549,8 +550,6 @@ def _cold_child(with_bytecode: bool) -> dict:
     first, as pip does when it installs a wheel; else the child compiles them from source.
     Neither run writes bytecode (PYTHONDONTWRITEBYTECODE=1); the other packages (torch,
     cuda.bindings) are imported as they are installed."""
-    import shutil
-
     with tempfile.TemporaryDirectory(prefix="drvsoftmax-cold-") as tmp:
         site = Path(tmp) / "site"
         pkg = site / "drvsoftmax"
@@ -579,7 +578,7 @@ def _cold_child(with_bytecode: bool) -> dict:
         if r.returncode != 0:
             raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1][:300])
         res = dict(json.loads(r.stdout.strip().splitlines()[-1]))
-        if not str(res.get("from", "")).startswith(str(site)):
+        if not os.path.realpath(str(res.get("from", ""))).startswith(os.path.realpath(site) + os.sep):
             raise RuntimeError(f"the child imported drvsoftmax from {res.get('from')}, not from the copy in {site}")
         return res
 
