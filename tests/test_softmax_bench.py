@@ -560,24 +560,24 @@ print(json.dumps({"from": drvsoftmax.__file__, "bytecode": os.path.isfile(pyc),
 """
 
 
-@pytest.mark.parametrize("with_bytecode", [True, False])
-def test_cold_start_child_runs_a_copy_laid_out_as_installed(monkeypatch, with_bytecode):
+def test_cold_start_children_run_a_copy_laid_out_as_installed(monkeypatch):
     from softbench import runner
 
     monkeypatch.setattr(runner, "COLD_CHILD", _COLD_PROBE)
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
-    res = runner._cold_child(with_bytecode=with_bytecode)
-    assert not res["from"].startswith(str(REPO)), res["from"]
-    assert res["from"].endswith("drvsoftmax/__init__.py")
-    assert res["bytecode"] is with_bytecode
-    assert res["sources"] and res["no_jit"] == "1"
-    assert res["shape"] == C.shape_str(C.COLDSTART_SHAPE)
+    compiled, from_source = runner._cold_children()
+    for res, with_bytecode in ((compiled, True), (from_source, False)):
+        assert not res["from"].startswith(str(REPO)), res["from"]
+        assert res["from"].endswith("drvsoftmax/__init__.py")
+        assert res["bytecode"] is with_bytecode
+        assert res["sources"] and res["no_jit"] == "1"
+        assert res["shape"] == C.shape_str(C.COLDSTART_SHAPE)
 
 
-def test_cold_start_child_refuses_a_package_imported_from_elsewhere(monkeypatch):
+def test_cold_start_children_refuse_a_package_imported_from_elsewhere(monkeypatch):
     from softbench import runner
 
     probe = "import json, sys; print(json.dumps({'from': sys.argv[0]}))"
     monkeypatch.setattr(runner, "COLD_CHILD", probe)
     with pytest.raises(RuntimeError, match="not from the copy"):
-        runner._cold_child(with_bytecode=False)
+        runner._cold_children()

@@ -380,8 +380,7 @@ class Runner:
             self.log(f"coldstart skipped: {why}")
             return
         try:
-            res = _cold_child(with_bytecode=True)
-            res_src = _cold_child(with_bytecode=False)
+            res, res_src = _cold_children()
         except Exception as e:
             self.log(f"coldstart: {P.error_text(e)}")
             self.skipped.append(("coldstart", P.error_text(e)))
@@ -543,13 +542,13 @@ def device_arch() -> str | None:
         return None
 
 
-def _cold_child(with_bytecode: bool) -> dict:
-    """One run of COLD_CHILD in a fresh process, from a copy of the package laid out as a
-    wheel installs it (drvsoftmax/ with cuda_src/ and _prebuilt/ inside), run-time compiling
-    forbidden, an empty kernel cache.  `with_bytecode`: the copy's modules are byte-compiled
-    first, as pip does when it installs a wheel; else the child compiles them from source.
-    Neither run writes bytecode (PYTHONDONTWRITEBYTECODE=1); the other packages (torch,
-    cuda.bindings) are imported as they are installed."""
+def _cold_children() -> tuple[dict, dict]:
+    """COLD_CHILD in two fresh processes, from one copy of the package laid out as a wheel
+    installs it (drvsoftmax/ with cuda_src/ and _prebuilt/ inside), run-time compiling
+    forbidden, an empty kernel cache: (with the copy's modules byte-compiled, as pip does
+    when it installs a wheel; compiling them from source).  The source run goes first, before
+    the bytecode exists.  Neither child writes bytecode (PYTHONDONTWRITEBYTECODE=1); the
+    other packages (torch, cuda.bindings) are imported as they are installed."""
     with tempfile.TemporaryDirectory(prefix="drvsoftmax-cold-") as tmp:
         site = Path(tmp) / "site"
         pkg = site / "drvsoftmax"
@@ -558,29 +557,29 @@ def _cold_child(with_bytecode: bool) -> dict:
             shutil.copytree(REPO / "cuda_src", pkg / "cuda_src")
         env = {**os.environ, "PYTHONPATH": str(site), "DRVSOFTMAX_NO_JIT": "1", "DRVSOFTMAX_CACHE_DIR": tmp}
         env.pop("PYTHONPYCACHEPREFIX", None)
-        if with_bytecode:
-            subprocess.run(
-                [sys.executable, "-m", "compileall", "-q", str(pkg)],
-                env={k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"},
-                check=True,
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+
+        def child() -> dict:
+            r = subprocess.run(
+                [sys.executable, "-c", COLD_CHILD, C.shape_str(C.COLDSTART_SHAPE)],
                 capture_output=True,
+                text=True,
+                env={**env, "PYTHONDONTWRITEBYTECODE": "1"},
+                cwd=tmp,
                 timeout=180,
             )
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        r = subprocess.run(
-            [sys.executable, "-c", COLD_CHILD, C.shape_str(C.COLDSTART_SHAPE)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp,
-            timeout=180,
+            if r.returncode != 0:
+                raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1][:300])
+            res = dict(json.loads(r.stdout.strip().splitlines()[-1]))
+            if not os.path.realpath(str(res.get("from", ""))).startswith(os.path.realpath(site) + os.sep):
+                raise RuntimeError(f"the child imported drvsoftmax from {res.get('from')}, not from the copy in {site}")
+            return res
+
+        from_source = child()
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", str(pkg)], env=env, check=True, capture_output=True, timeout=180
         )
-        if r.returncode != 0:
-            raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1][:300])
-        res = dict(json.loads(r.stdout.strip().splitlines()[-1]))
-        if not os.path.realpath(str(res.get("from", ""))).startswith(os.path.realpath(site) + os.sep):
-            raise RuntimeError(f"the child imported drvsoftmax from {res.get('from')}, not from the copy in {site}")
-        return res
+        return child(), from_source
 
 
 COLD_CHILD = r"""
