@@ -16,6 +16,9 @@ run (a host whose speed drifts slows every row alike):
     cuLaunchKernel (CUkernel)         the same with the library's kernel handle
     cuLaunchKernelEx (config)         a CUlaunchConfig built once (grid, block, stream)
     cuLaunchKernelEx (stream set)     the same config with its stream assigned per call
+    cuLaunchKernelEx (ctypes)         the driver's entry point (cuGetProcAddress) called
+                                      through ctypes with the config's address: what is left
+                                      without cuda.bindings' argument handling
     _core.launch                      drvsoftmax's launcher (argument slots written per call)
 
 Before the timing, one launch of each form writes a y poisoned with NaN, checked against
@@ -71,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg.hStream = sobj
     cfg.numAttrs = 0
 
+    import ctypes
+
+    flag = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    err, entry, _ = drv.cuGetProcAddress(b"cuLaunchKernelEx", 12000, flag)
+    vp = ctypes.c_void_p
+    ex_ct = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, vp)(entry) if int(err) == 0 and entry else None
+    cfg_addr, func_addr = cfg.getPtr(), int(prep.func)
+
     def ex_stream_set() -> object:
         cfg.hStream = sobj
         return drv.cuLaunchKernelEx(cfg, prep.func, argv_addr, 0)
@@ -84,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "cuLaunchKernelEx (config)": lambda: drv.cuLaunchKernelEx(cfg, prep.func, argv_addr, 0),
         "cuLaunchKernelEx (stream set)": ex_stream_set,
+        "cuLaunchKernelEx (ctypes)": lambda: (ex_ct(cfg_addr, func_addr, argv_addr, None),),
         "_core.launch": lambda: _core.launch(prep, xp, yp, 0, 0, stream, True),
     }
+    if ex_ct is None:
+        print(f"cuGetProcAddress(cuLaunchKernelEx): error {int(err)}; the ctypes row is left out")
+        del rows["cuLaunchKernelEx (ctypes)"]
     print(f"host us per launch, x {list(SHAPE)} float16 ({prep.plan.kernel}); {torch.cuda.get_device_name()}")
     print(f"median (min) of {a.repeats} x {a.calls} back-to-back calls, the rows taking turns")
     checks = {}
