@@ -20,6 +20,10 @@
 //           received in the same order, so every CTA holds the same row statistics;
 //   STORE   y of the thread's chunks from shared memory (VALUES again, the tier's STORE).
 // Backward: dy and y held in shared memory alike; the pair is the dot product sum(dy * y).
+// Streamed forward (smx_fwd_cluster_stream, rows no cluster holds on chip): the slice is
+// as long as the row needs (smx_slice_steps), its steps past the registers and shared
+// memory read in PAIR and read again in STORE, last first, while L2 still holds them (a
+// cluster of 16 takes a row, so the rows in flight at once are few).
 //
 // The dynamic shared memory size tells the kernel Q: Q * B * (bytes of a chunk of every
 // operand held).  Q is a multiple of SMX_CL_U (chunks a thread handles per step), maybe 0.
@@ -179,6 +183,8 @@ struct SmxClusterX {
   enum { INTERIOR = 1 };  // the forward's interior steps take the folded path (smx_fwd_slice)
   smx_u32 cs, rank;
   SmxClusterShared* sh;
+  // Blocks sharing a row, for a slice that streams what shared memory does not hold.
+  __device__ __forceinline__ int blocks() const { return (int)cs; }
   // Thread 0 initialises and arms the mbarrier; every thread arrives at the cluster barrier.
   __device__ __forceinline__ void start() const {
     if (threadIdx.x == 0) {
@@ -295,6 +301,7 @@ __device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, fl
 // max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
 struct SmxCoopX {
   enum { INTERIOR = 0 };
+  __device__ __forceinline__ int blocks() const { return 0; }  // slices never stream here
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
                                         bool act) const {
@@ -504,6 +511,19 @@ __device__ __forceinline__ void smx_fold_store(const Chunk<T> (&cx)[1][K], const
     }
   }
 }
+// Chunks per thread past the R in registers of each of `blocks` blocks sharing a row of
+// `elems` elements (counted from the chunk grid's origin): `q_smem` where that holds the
+// row (or blocks is 0: the coop tier), else the whole steps of U that do.
+template <typename T>
+__device__ __forceinline__ int smx_slice_steps(int elems, int blocks, int R, int q_smem) {
+  enum { N = Chunk<T>::N, U = SMX_CL_U };
+  if (blocks <= 0) return q_smem;
+  const int chunks = (elems + N - 1) / N;
+  const int per_thread = (chunks + blocks * SMX_CBLOCK - 1) / (blocks * SMX_CBLOCK);
+  const int q = (max(per_thread - R, 0) + U - 1) / U * U;
+  return max(q, q_smem);
+}
+
 // Chunks [base, base + K * B) all whole and visible.
 template <typename T, class M>
 __device__ __forceinline__ bool smx_interior(const FwdRow<T, M>& r, int base, int kb) {
@@ -514,7 +534,7 @@ __device__ __forceinline__ bool smx_interior(const FwdRow<T, M>& r, int base, in
 // A block's slice of one row: chunks rank * K * B .. of row `row` (see the top), its pair
 // exchanged with the row's other blocks through `xc`.  `act`: the row exists (coop blocks
 // of a wave past the last row only take part in the exchange).
-template <typename T, class M, int R, class X>
+template <typename T, class M, int R, class X, bool STREAM = false>
 __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
                                               const void* __restrict__ klen, const SmxFwdParams& p, smx_i64 row,
                                               bool act, int rank, const X& xc, float (*red)[SMX_CBLOCK / 32],
@@ -525,15 +545,20 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   const int tid = threadIdx.x;
   // Q from the dynamic shared memory size (whole steps only: a size the driver rounds up
   // changes nothing), then the slots of the slice held there.
-  const int q_count = (int)(smx_dyn_smem_size() / ((XB + MB) * SMX_CBLOCK * U)) * U;
-  const int slots = q_count * SMX_CBLOCK;
+  const int q_smem = (int)(smx_dyn_smem_size() / ((XB + MB) * SMX_CBLOCK * U)) * U;
+  const int slots = q_smem * SMX_CBLOCK;
   Chunk<T>* xs = (Chunk<T>*)smx_cl_dyn;
   MC* ms = (MC*)(smx_cl_dyn + (smx_u64)slots * XB);
-  const int cb = rank * (slots + R * SMX_CBLOCK);  // first chunk of this block's slice
-  const int cq = cb + R * SMX_CBLOCK;              // its first chunk in shared memory
 
   FwdRow<T, M> rw[1];
   rw[0] = smx_fwd_row<T, M, false>(x, y, mask, klen, p, row);
+  // Chunks per thread of the slice: Q in shared memory, then, where the row needs more than
+  // the cluster's registers and shared memory hold (the launch gave less shared memory than
+  // the row: STREAM), steps read from global memory in PAIR and again, from L2 by then, in
+  // STORE.  A launch whose shared memory holds the row never streams.
+  const int q_count = STREAM ? smx_slice_steps<T>(p.sk + rw[0].ofs, xc.blocks(), R, q_smem) : q_smem;
+  const int cb = rank * ((q_count + R) * SMX_CBLOCK);  // first chunk of this block's slice
+  const int cq = cb + R * SMX_CBLOCK;                  // its first chunk past the registers
   const typename M::S* m0 = (const typename M::S*)mask;
 
   // The first R chunks of each thread stay in registers (the tier's LOAD), in flight while
@@ -545,7 +570,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 
   // LOAD: everything in flight; whole aligned chunks without registers.  Committed in
   // parts, so that PAIR starts on the first part while the others still arrive.
-  const int steps = q_count / U;
+  const int steps = q_smem / U;
   // Shared addresses of this thread's first slots; in the cluster tier a step of whole
   // visible chunks (and mask chunks read whole) is U copies at fixed offsets from them,
   // without checks (measured on the H200, % of copy: fp16 rows of 65536 keys with a bool
@@ -645,6 +670,27 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       smx_pair_merge(m, s, mx[0], t);
     }
   }
+  // STREAM: the steps past shared memory, loaded into registers (the tier's LOAD).
+#pragma unroll 1
+  for (int q0 = q_smem; STREAM && q0 < q_count; q0 += U) {
+    Chunk<T> cx[1][U];
+    MC cm[1][U];
+    float v[1][U][N], mx[1];
+    const int c0 = cq + q0 * SMX_CBLOCK + tid;
+    smx_fwd_load<T, M, U, 1, false>(cx, cm, rw, c0, SMX_CBLOCK, p, x, m0);
+    if (fold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
+      smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale, sl);
+      continue;
+    }
+    smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
+    const float mu = smx_max_use(mx[0]);
+    float t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
+    smx_pair_merge(m, s, mx[0], t);
+  }
   smx_warp_pair_merge(m, s);
   const int warp = tid >> 5;
   if ((tid & 31) == 0) {
@@ -661,7 +707,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       pair[1] = s;
     }
   }
-  xc.template merge<false, T>(m, s, pair, rw[0].y, p.sy, rw[0].ofs, slots + R * SMX_CBLOCK, act);
+  xc.template merge<false, T>(m, s, pair, rw[0].y, p.sy, rw[0].ofs, (q_count + R) * SMX_CBLOCK, act);
 
   // STORE.
   const float mu = smx_max_use(m);
@@ -670,6 +716,25 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // (a row with nothing visible stores zeros: 1 / sum is 0 there)
   const bool sfold = fold && s > 0.0f && fabsf(mu) < SMX_FOLD_MAX;
   const float mls = mu * SMX_LOG2E + smx_log2(s);
+  // The streamed steps first, the last read first: what PAIR read last is likeliest in L2.
+#pragma unroll 1
+  for (int q0 = q_count - U; STREAM && q0 >= (act ? q_smem : q_count); q0 -= U) {
+    Chunk<T> cx[1][U];
+    MC cm[1][U];
+    float v[1][U][N], mx[1];
+    const int c0 = cq + q0 * SMX_CBLOCK + tid;
+    smx_fwd_load<T, M, U, 1, false>(cx, cm, rw, c0, SMX_CBLOCK, p, x, m0);
+    if (sfold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
+      smx_fold_store<T, M, U, SMX_CBLOCK>(cx, cm, rw[0].y, c0, rw[0].ofs, sl, mls);
+      continue;
+    }
+    smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
+    smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
+  }
   if (R > 0 && act && sfold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
     smx_fold_store<T, M, RR, SMX_CBLOCK>(cxr, cmr, rw[0].y, cb + tid, rw[0].ofs, sl, mls);
   } else if (R > 0) {
@@ -681,7 +746,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
     smx_fwd_store<T, M, RR, 1, false>(v, inv, rw, acts, cb + tid, SMX_CBLOCK, p);
   }
-  for (int q0 = 0; q0 < (act ? q_count : 0); q0 += U) {
+  for (int q0 = 0; q0 < (act ? q_smem : 0); q0 += U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
     float v[1][U][N], mx[1];
@@ -830,6 +895,23 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
   xc.start();
   smx_fwd_slice<T, M, R>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)xc.rank, xc, red,
                          pair);
+#endif
+}
+
+// The same with a slice longer than its shared memory: the steps past it streamed (read in
+// PAIR and again in STORE; smx_fwd_slice's STREAM), for rows no cluster holds on chip.
+template <typename T, class M, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+smx_fwd_cluster_stream(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+                       const void* __restrict__ klen, const SmxFwdParams p) {
+#if __CUDA_ARCH__ >= 900
+  __shared__ float red[2][SMX_CBLOCK / 32];
+  __shared__ float pair[2];
+  __shared__ SmxClusterShared xs;
+  const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
+  xc.start();
+  smx_fwd_slice<T, M, R, SmxClusterX, true>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)xc.rank,
+                                            xc, red, pair);
 #endif
 }
 

@@ -285,6 +285,10 @@ def kernel_fwd_cluster(dtype: str, mask_kind: str, reg: int = 0) -> str:
     return f"smx_fwd_cluster<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {reg}>"
 
 
+def kernel_fwd_stream(dtype: str, mask_kind: str) -> str:
+    return f"smx_fwd_cluster_stream<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {CLUSTER_REG}>"
+
+
 def kernel_bwd_cluster(dtype: str, reg: int = 0) -> str:
     return f"smx_bwd_cluster<{_t(dtype)}, {reg}>"
 
@@ -334,6 +338,7 @@ def all_kernel_names() -> list[str]:
     for dt in X_DTYPES:  # the cluster tier (sm_90+) last: the earlier names keep their order
         names += [kernel_fwd_cluster(dt, mk, cluster_reg(X_DTYPES[dt][1], mk)) for mk in MASK_KINDS]
         names.append(kernel_bwd_cluster(dt, CLUSTER_REG))
+        names += [kernel_fwd_stream(dt, mk) for mk in stream_mask_kinds(dt)]
     for dt in X_DTYPES:  # the coop tier after them
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
@@ -414,6 +419,34 @@ CLUSTER_LOOP_SMEM = 128 * 1024
 # 16-bit forward with wider masks has no variant: 4 chunks of mask beside 4 of x in
 # registers exceed the three CTAs' 80 registers per thread.
 CLUSTER_REG = 4
+
+
+# The streamed cluster forward (sm_90+; smx_fwd_cluster_stream in softmax_cluster.cu): rows
+# that no cluster holds on chip and that fill the device (more rows than the split tier
+# takes) run in clusters of STREAM_CLUSTER CTAs of up to STREAM_SMEM bytes of shared memory
+# each (two per SM), the rest of each slice read from global memory twice: once for the
+# row's (max, sum), again, from L2 by then, for y.  With 16 CTAs per row few rows are in
+# flight, so the second read finds them in L2; the looped tier, a block per row, reads them
+# from DRAM twice.  Measured on an H100 80GB HBM3 (% of copy, looped -> streamed at 16 CTAs
+# of 100 KB; fp32 [2,8,16,1M]): without a mask 63.1 -> 73.6 / 62.7 -> 73.8, with a bool mask
+# 61.1 -> 68.2 / 60.5 -> 68.4.  Shared memory per CTA (fp32 without a mask, 16 CTAs):
+# 0 / 64 / 80 / 100 / 120 / 150 / 180 / 200 KB: 64.5 / 71.0 / 72.4 / 73.8 / 74.6 / 62.8 /
+# 66.2 / 67.9 (one CTA per SM from 120 KB with the mask); 8 CTAs of 0 / 100 KB: 63.5 / 67.9;
+# 4 CTAs of 0: 60.7.  Not planned for 16-bit x: fp16 with a bool mask [2,8,32,1M] 59.3
+# looped against 43.6-57.6 streamed (16 CTAs of 0-200 KB), and the forward without a mask
+# keeps the cluster that holds its row (88.9, streamed 35.6-88.8).  Nor for the other
+# masks of fp32 x (not measured) or the backward (its looped tier stays).
+STREAM_CLUSTER = 16
+STREAM_SMEM = 100 * 1024
+STREAM_MASK_KINDS = ("none", "hide1")
+# Testing knob: shared memory bytes per CTA of a streamed plan forced wherever a streamed
+# kernel exists for the rows the cluster or looped tier would take (None: as measured).
+FORCE_STREAM: int | None = None
+
+
+def stream_mask_kinds(dtype: str) -> tuple[str, ...]:
+    """Mask kinds of x of `dtype` with a streamed cluster forward."""
+    return STREAM_MASK_KINDS if X_DTYPES[dtype][1] == 4 else ()
 
 
 def cluster_reg(itemsize: int, mask_kind: str) -> int:
@@ -947,6 +980,51 @@ def _cluster_plan(
     )
 
 
+def _stream_plan(
+    dtype: str,
+    mask_kind: str,
+    rows: int,
+    sk: int,
+    aligned_rows: bool,
+    vector: bool,
+    caps: DeviceCaps,
+    smem_cap: int,
+) -> LaunchPlan | None:
+    """The streamed cluster forward's plan (STREAM_CLUSTER CTAs a row, at most `smem_cap`
+    bytes of shared memory each, no more than the row needs), or None where the device has
+    no clusters or x and the mask no streamed kernel."""
+    if not caps.clusters or mask_kind not in stream_mask_kinds(dtype):
+        return None
+    cs = STREAM_CLUSTER
+    if rows * cs > MAX_GRID:
+        return None
+    item = X_DTYPES[dtype][1]
+    slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
+    chunks = row_chunks(sk, item, aligned_rows)
+    # chunks per thread past the registers (the kernel's smx_slice_steps)
+    need = CLUSTER_STEP * _ceil_div(max(0, _ceil_div(chunks, cs * BLOCK) - CLUSTER_REG), CLUSTER_STEP)
+    limit = min(smem_cap, caps.smem_per_block - CLUSTER_SMEM_RESERVE)
+    q = min(need, max(0, limit) // (slot * BLOCK * CLUSTER_STEP) * CLUSTER_STEP)
+    why = (
+        f"{chunks} chunks per row, more than a cluster holds on chip: a cluster of {cs} blocks, "
+        f"{CLUSTER_REG} chunk(s) per thread in registers, {q} in shared memory, {need - q} streamed "
+        f"(read twice, the second time from L2; sm_{caps.cc})"
+    )
+    return LaunchPlan(
+        kernel_fwd_stream(dtype, mask_kind),
+        "cluster",
+        rows * cs,
+        BLOCK,
+        _log2_ceil(BLOCK),
+        CLUSTER_REG + need,
+        1,
+        vector,
+        why,
+        cluster=cs,
+        smem=q * BLOCK * slot,
+    )
+
+
 def _coop_plan(
     names: tuple[str, str | None],
     rows: int,
@@ -1010,6 +1088,10 @@ def plan_forward(
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
         reg = cluster_reg(item, mask_kind)
         name = kernel_fwd_cluster(dtype, mask_kind, reg)
+        if FORCE_STREAM is not None and not (FORCE_COOP or FORCE_SPLIT):
+            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, FORCE_STREAM)
+            if plan is not None:
+                return plan
         plan = (
             None
             if FORCE_COOP or FORCE_SPLIT
@@ -1026,6 +1108,12 @@ def plan_forward(
         if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
             name = kernel_fwd_split(dtype, mask_kind)
             plan = _split_plan(name, rows, sk, item, aligned_rows, vector, False, mi)
+        if (
+            plan is None
+            and not (FORCE_COOP or FORCE_SPLIT)
+            and cluster_shape(row_chunks(sk, item, aligned_rows), slot, caps, reg) is None
+        ):
+            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, STREAM_SMEM)
         if plan is not None:
             return plan
     whole = whole and tier == "register"

@@ -84,6 +84,22 @@ def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool, big_loses: 
     return r0
 
 
+def _assert_streamed(p, rows, chunks, slot, caps, smem_cap=None):
+    """A streamed cluster plan: STREAM_CLUSTER blocks a row, whole steps of shared memory
+    within the cap and the device, no more than the row needs, and chunks per thread
+    (registers, shared memory, streamed) that cover the row."""
+    cap = _plan.STREAM_SMEM if smem_cap is None else smem_cap
+    cs = _plan.STREAM_CLUSTER
+    assert p.tier == "cluster" and p.cluster == cs and p.grid == rows * cs, p
+    assert p.block == 256 == 1 << p.tpr_log2 and p.rpt == 1
+    assert p.smem % (256 * slot) == 0 and (p.smem // (256 * slot)) % 4 == 0, p
+    q = p.smem // (256 * slot)
+    assert p.smem <= min(cap, caps.smem_per_block - _plan.CLUSTER_SMEM_RESERVE), p
+    assert p.nch >= _plan.CLUSTER_REG + q and (p.nch - _plan.CLUSTER_REG) % 4 == 0, p
+    assert cs * p.nch * 256 >= chunks and cs * (p.nch - 4) * 256 < chunks, (p, chunks)
+    assert p.kernel in _plan.all_kernel_names()
+
+
 @pytest.mark.parametrize("caps", [H200, B200, RTX, _plan.DeviceCaps(90, 48 * 1024)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backward", [False, True])
@@ -105,6 +121,10 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 if not backward:
                     assert _plan.cluster_reg(ITEM[dtype], mk) == (_plan.CLUSTER_REG if reg_variant else 0), mk
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
+                if want is None and p.kernel == _plan.kernel_fwd_stream(dtype, mk):
+                    _assert_streamed(p, rows, chunks, slot, caps)
+                    assert not backward and mk in _plan.stream_mask_kinds(dtype), (mk, sk, p)
+                    continue
                 if want is None:
                     assert p.tier in ("coop", "loop") and p.cluster == 0, (mk, sk, p)
                     continue
@@ -194,8 +214,16 @@ def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     longest = 16 * 256 * (qmax + reg) * n
     p = _plan_of(backward, 2, longest, dtype, mk or "none", True, H200)
     assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax + reg and p.kernel.endswith(f", {reg}>")
-    assert _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200).tier == after
-    assert _plan_of(backward, 2, longest, dtype, mk or "none", False, H200).tier == after  # one chunk more
+    beyond = (
+        _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200),
+        _plan_of(backward, 2, longest, dtype, mk or "none", False, H200),
+    )  # (one chunk more)
+    for q in beyond:
+        if not backward and (mk or "none") == "none" and ITEM[dtype] == 4:
+            # fp32 without a mask: no cluster holds the row, the streamed cluster forward takes it
+            assert q.kernel == _plan.kernel_fwd_stream(dtype, "none"), q
+        else:
+            assert q.tier == after, q
 
 
 def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
@@ -211,8 +239,59 @@ def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
     assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 262144, "float32", True, True, H200).tier == "cluster"
-    assert _plan.plan_forward(64, 2**20, "float32", "none", True, True, H200).tier == "loop"
+    # fp32 rows of 1M keys fit no cluster: the forward streams what shared memory does not
+    # hold (without a mask and with a bool mask), the backward takes the loop
+    for mk in ("none", "hide1"):
+        assert _plan.plan_forward(64, 2**20, "float32", mk, True, True, H200).kernel == _plan.kernel_fwd_stream(
+            "float32", mk
+        )
+    assert _plan.plan_forward(64, 2**20, "float32", "add_float32", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "loop"
+
+
+STREAM_CASES = [
+    (256, 2**20, "none", True),
+    (256, 2**20, "hide1", True),
+    (64, 2**20 + 5, "none", False),
+    (300, 3 * 2**20 + 1, "hide1", False),
+    (17, 2**22, "none", True),
+]
+
+
+@pytest.mark.parametrize("rows,sk,mk,aligned", STREAM_CASES)
+def test_streamed_forward_of_rows_no_cluster_holds(rows, sk, mk, aligned):
+    """fp32 rows beyond any cluster's shared memory, enough of them to fill the device,
+    take the streamed cluster forward; the same rows in 16-bit x keep their tier, and so do
+    the rows where the split tier pays (few rows) and devices without clusters."""
+    caps = _plan.DeviceCaps(90, 232448, 132)
+    p = _plan.plan_forward(rows, sk, "float32", mk, True, aligned, caps)
+    slot = _slot(mk, "float32", False)
+    chunks = _plan.row_chunks(sk, 4, aligned)
+    if rows <= caps.sm_count * _plan.SPLIT_ROWS_PER_SM:
+        assert p.tier == "split", p
+        return
+    assert p.kernel == _plan.kernel_fwd_stream("float32", mk), p
+    _assert_streamed(p, rows, chunks, slot, caps)
+    assert p.smem == min(_plan.STREAM_SMEM // (256 * slot * 4) * 4 * 256 * slot, p.smem), p
+    assert "streamed" in p.reason
+    for dt in ("float16", "bfloat16"):
+        assert "stream" not in _plan.plan_forward(rows, sk, dt, mk, True, aligned, caps).kernel
+    assert "stream" not in _plan.plan_backward(rows, sk, "float32", True, aligned, caps).kernel
+    assert "stream" not in _plan.plan_forward(rows, sk, "float32", mk, True, aligned, A100).kernel
+
+
+def test_forced_streamed_plans_take_the_knob_s_shared_memory(monkeypatch):
+    """FORCE_STREAM (a test hook) plans the streamed forward for any long fp32 row with at
+    most that much shared memory, down to none; other dtypes and masks keep their tier."""
+    for cap in (0, 16 * 1024, 40 * 1024, 10**9):
+        monkeypatch.setattr(_plan, "FORCE_STREAM", cap)
+        for sk, aligned in ((16385, True), (70001, False), (262147, False), (2**20, True)):
+            for mk in _plan.STREAM_MASK_KINDS:
+                p = _plan.plan_forward(6, sk, "float32", mk, True, aligned, H200)
+                _assert_streamed(p, 6, _plan.row_chunks(sk, 4, aligned), _slot(mk, "float32", False), H200, cap)
+            assert "stream" not in _plan.plan_forward(6, sk, "float16", "none", True, aligned, H200).kernel
+            assert "stream" not in _plan.plan_forward(6, sk, "float32", "add_float32", True, aligned, H200).kernel
+        assert _plan.plan_forward(6, 4096, "float32", "none", True, True, H200).tier != "cluster"
 
 
 def test_cluster_grid_beyond_the_launch_limit_takes_another_tier(monkeypatch):
@@ -330,8 +409,12 @@ def test_explain_plans_for_an_architecture():
     assert drvsoftmax.explain((2, 65536), "float32", mask_dtype="bool", arch="sm_120").startswith("cluster tier")
     for arch in ("sm_75", "sm_80", "sm_89"):
         assert drvsoftmax.explain((2, 8, 65536), "float16", arch=arch).startswith("loop tier")
-    # fp32 rows of 1M keys: no cluster holds them; the looped tier (the coop tier only when asked)
-    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90").startswith("loop tier")
+    # fp32 rows of 1M keys: no cluster holds them; the streamed cluster forward (without the
+    # SM count, the split tier cannot be weighed; the coop tier only when asked)
+    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90").startswith(
+        "cluster tier: smx_fwd_cluster_stream<float, MaskNone, 4>"
+    )
+    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90", backward=True).startswith("loop tier")
     assert drvsoftmax.explain((2, 8, 65536), "float16").startswith("loop tier")
     assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^arch must be of the form 'sm_XY'"):

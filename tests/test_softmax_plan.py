@@ -297,8 +297,14 @@ def test_every_kernel_name_is_reachable(monkeypatch):
                 for mk in MASK_KINDS:
                     reached.add(_plan.plan_forward(64, sk, dtype, mk, True, True, caps).kernel)
                 reached.add(_plan.plan_backward(64, sk, dtype, True, True, caps).kernel)
-    # (the split tier: the rows no cluster holds, where the coop tier is not asked for)
+    # (the streamed cluster forward: fp32 rows no cluster holds, enough to fill the device,
+    # where the coop tier is not asked for)
     monkeypatch.setattr(_plan, "COOP_WHERE_IT_FITS", False)
+    for mk in _plan.STREAM_MASK_KINDS:
+        reached.add(
+            _plan.plan_forward(4096, 2**20, "float32", mk, True, True, _plan.DeviceCaps(90, 232448, 132)).kernel
+        )
+    # (the split tier: the rows no cluster holds, where the coop tier is not asked for)
     monkeypatch.setattr(_plan, "FORCE_SPLIT", True)
     for dtype in DTYPES:
         for mk in MASK_KINDS:
@@ -778,11 +784,16 @@ def test_split_tier_takes_the_looped_tiers_rows_only_where_they_leave_the_device
                     assert many.tier == "cluster"
                     continue
                 assert few.tier == "split" and few.split == segs and few.grid == segs * 66, few
-                assert many.tier == "loop", many
+                if not backward and item == 4:  # fp32 forwards: the streamed cluster forward
+                    assert many.kernel == _plan.kernel_fwd_stream(dtype, "hide1"), many
+                else:
+                    assert many.tier == "loop", many
                 for caps in (None, _plan.DeviceCaps(90, 232448), _plan.DeviceCaps(61, 98304, 20)):
-                    assert plan_of(backward, 8, sk, dtype, "hide1", True, caps).tier in ("loop", "coop")
-        # a row of more segments than SMs
-        assert plan_of(False, 2, 2**23, dtype, "none", True, h200).tier == "loop"
+                    fewer = plan_of(backward, 8, sk, dtype, "hide1", True, caps)
+                    assert fewer.tier in ("loop", "coop") or "stream" in fewer.kernel, fewer
+        # a row of more segments than SMs (fp32: streamed by a cluster)
+        wide = plan_of(False, 2, 2**23, dtype, "none", True, h200)
+        assert wide.kernel == _plan.kernel_fwd_stream(dtype, "none") if item == 4 else wide.tier == "loop", wide
 
 
 def test_split_segments_cover_the_row_and_the_workspace_is_one_slot_each():

@@ -1,0 +1,193 @@
+"""The streamed cluster forward (sm_90+) on a GPU against the float64 reference, on fresh
+random inputs.
+
+Runs alone: `python -m pytest tests/test_softmax_stream_gpu.py`.  Skips cleanly without
+PyTorch, without a CUDA GPU, or on a GPU older than sm_90 (no thread-block clusters).  By
+default only fp32 rows that no cluster holds on chip stream (rows of about 1M keys and
+more); here `_plan.FORCE_STREAM` (a test hook) caps each block's shared memory, down to
+none, so that shorter rows stream too: every slice then has chunks in registers, in shared
+memory and streamed (read in PAIR and again in STORE), with the row's ends, hidden keys and
+odd alignments among them.  Every output is poisoned with NaN first, so an element no
+block writes shows up as a NaN the reference does not have.  Each case first checks that
+the launch really is of the streamed kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_matches, torch_cuda_available
+from helpers import cuda_device as _dev
+from helpers import operand as _op
+from helpers import to_numpy as _np
+
+import drvsoftmax
+from drvsoftmax import _core, _plan, _reference
+
+torch = pytest.importorskip("torch")
+
+
+def _sm90() -> bool:
+    return torch_cuda_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+pytestmark = pytest.mark.skipif(not _sm90(), reason="needs PyTorch with an sm_90+ CUDA GPU (thread-block clusters)")
+
+_gen = np.random.default_rng(20261206)
+# Shared memory per block the forced plans may take: none (all but the registers streamed),
+# a little (one step of shared memory per thread, the rest streamed), the default.
+CAPS = {"none": 0, "16K": 16 * 1024, "default": _plan.STREAM_SMEM}
+
+
+def _forget():
+    import drvsoftmax.torch as dtorch
+
+    _core._cache.clear()
+    dtorch._forget_launches()
+
+
+@pytest.fixture(params=list(CAPS))
+def stream(request, monkeypatch):
+    """Plan the streamed forward, its shared memory capped, for every long fp32 row."""
+    monkeypatch.setattr(_plan, "FORCE_STREAM", CAPS[request.param])
+    _forget()
+    yield CAPS[request.param]
+    _forget()
+
+
+def _rand(shape, scale=3.0):
+    return torch.from_numpy(_gen.standard_normal(shape) * scale).to(torch.float32).cuda()
+
+
+def _prepared(x, mask=None, *, causal=False, key_lengths=None, out=None, scale=1.0) -> _core.Prepared:
+    y = out if out is not None else x
+    m = _op(mask) if mask is not None else None
+    k = _op(key_lengths) if key_lengths is not None else None
+    aligned = not ((x.data_ptr() | y.data_ptr()) & 15)
+    mask_aligned = mask is None or not (mask.data_ptr() & 15)
+    return _core.prepare_forward(_dev(), _op(x), _op(y), m, k, causal, scale, aligned, mask_aligned)
+
+
+def _assert_streams(prep: _core.Prepared, cap: int | None, what: str) -> None:
+    p = prep.plan
+    kind = "none" if "MaskNone" in p.kernel else "hide1"
+    assert p.kernel == _plan.kernel_fwd_stream("float32", kind), f"{what}: planned {p.describe()}"
+    assert p.cluster == _plan.STREAM_CLUSTER and prep.cluster is not None, f"{what}: {p.describe()}"
+    if cap is not None:
+        assert p.smem <= cap, f"{what}: {p.describe()}"
+
+
+def _check(x, mask=None, *, scale=1.0, causal=False, key_lengths=None, out=None, what="", cap=None):
+    mnp = None if mask is None else _np(mask)
+    knp = None if key_lengths is None else _np(key_lengths)
+    ref = _reference.softmax_forward(_np(x), mnp, scale, causal, knp)
+    if out is None:
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    _assert_streams(_prepared(x, mask, causal=causal, key_lengths=key_lengths, out=out, scale=scale), cap, what)
+    y = drvsoftmax.scaled_masked_softmax(x, mask, scale=scale, causal=causal, key_lengths=key_lengths, out=out)
+    assert y is out
+    torch.cuda.synchronize()
+    got = _np(y)
+    assert_matches(got, ref, "float32", what)
+    hidden = np.broadcast_to(_reference.hidden_positions(x.shape, mnp, causal, knp), x.shape)
+    assert np.all(got[hidden] == 0), f"{what}: hidden positions are not exactly 0"
+    if not np.isnan(ref).any():
+        visible = ~np.all(ref == 0, axis=-1)
+        sums = got.sum(-1, dtype=np.float64)
+        assert np.all(np.abs(sums[visible] - 1) < 1e-4 * max(1.0, np.sqrt(x.shape[-1]) / 16)), f"{what}: row sums"
+        assert np.all(sums[~visible] == 0)
+
+
+@pytest.mark.parametrize("sk", [16385, 16389, 65536, 70001, 200003, 2**20 + 3])
+def test_rows_without_a_mask(stream, sk):
+    """Slices whose registers, shared memory and streamed steps end anywhere in the row."""
+    _check(_rand((3, sk)), scale=0.37, what=f"Sk={sk}", cap=stream)
+
+
+@pytest.mark.parametrize("sk", [16385, 65537, 200003])
+@pytest.mark.parametrize("shape", ["b1qk", "11qk", "bhqk"])
+def test_bool_masks(stream, sk, shape):
+    b, h, q = 2, 2, 2
+    x = _rand((b, h, q, sk))
+    dims = {"b1qk": (b, 1, q, sk), "11qk": (1, 1, q, sk), "bhqk": (b, h, q, sk)}[shape]
+    m = torch.from_numpy(_gen.random(dims) < 0.3).cuda()
+    _check(x, m, scale=-0.6, what=f"bool {shape} Sk={sk}", cap=stream)
+
+
+@pytest.mark.parametrize("sq,sk", [(3, 40000), (2, 262145)])
+def test_causal(stream, sq, sk):
+    _check(_rand((2, 1, sq, sk)), causal=True, scale=0.5, what=f"causal {sq}x{sk}", cap=stream)
+
+
+@pytest.mark.parametrize("kl_dtype", [torch.int32, torch.int64])
+def test_key_lengths_and_every_source_together(stream, kl_dtype):
+    sk = 70001
+    x = _rand((5, 1, 2, sk))
+    # 0, 1, a length inside the first block's slice, past it, > Sk (all legal)
+    kl = torch.tensor([0, 1, 3000, sk - 7, sk + 10], dtype=kl_dtype, device="cuda")
+    _check(x, key_lengths=kl, what="key_lengths", cap=stream)
+    m = torch.from_numpy(_gen.random((5, 1, 2, sk)) < 0.3).cuda()
+    _check(x, m, scale=-0.8, causal=True, key_lengths=kl, what="all sources", cap=stream)
+
+
+def test_nonfinite_and_hidden_rows(stream):
+    sk = 40000
+    x = _rand((1, 1, 7, sk))
+    x[0, 0, 0, sk // 2 + 3] = float("nan")  # NaN row (the NaN in a streamed step)
+    x[0, 0, 1, sk - 1] = float("inf")  # +inf row: NaN throughout
+    x[0, 0, 2, :] = float("-inf")  # every score -inf: all zeros
+    x[0, 0, 3, sk - 1] = float("-inf")  # one -inf key: hidden
+    m = torch.zeros((1, 1, 7, sk), dtype=torch.bool, device="cuda")
+    m[0, 0, 4, :] = True  # fully masked row: zeros
+    m[0, 0, 5, 0] = True
+    x[0, 0, 5, 0] = float("nan")  # NaN under a boolean mask is hidden, not NaN
+    m[0, 0, 6, : sk - 1] = True  # only the last key visible: 1 there
+    _check(x, m, what="nonfinite", cap=stream)
+
+
+def test_strided_unaligned_and_in_place_rows(stream):
+    sk = 65537
+    base = _rand((2, 3, 2 * sk + 8))
+    views = {
+        "rows off the 16-byte grid": base[..., 1 : 1 + sk],
+        "slice": base[:, ::2, 4 : 4 + sk],
+        "last_dim_stride2": base[..., : 2 * sk : 2],
+        "expanded_rows": base[:1, :1, :sk].expand(2, 3, sk),
+    }
+    for name, v in views.items():
+        _check(v, scale=0.3, what=name, cap=stream)
+    x = _rand((3, sk))
+    buf = torch.full((3 * sk + 1,), float("nan"), dtype=torch.float32, device="cuda")
+    _check(x, scale=0.3, out=buf[1:].view(3, sk), what="misaligned out", cap=stream)
+    wide = torch.full((3, 2 * sk), float("nan"), dtype=torch.float32, device="cuda")
+    _check(x, scale=0.3, out=wide[:, ::2], what="strided out", cap=stream)
+    assert torch.isnan(wide[:, 1::2]).all(), "elements between the strided output's were written"
+    # out=x: every streamed chunk is read again before its own y is written over it
+    m = torch.from_numpy(_gen.random((1, 1, sk)) < 0.2).cuda()
+    ref = _reference.softmax_forward(_np(x), _np(m), 0.7, False, None)
+    _assert_streams(_prepared(x, m, out=x, scale=0.7), stream, "out=x")
+    assert drvsoftmax.scaled_masked_softmax(x, m, scale=0.7, out=x) is x
+    torch.cuda.synchronize()
+    assert_matches(_np(x), ref, "float32", "out=x")
+
+
+def test_rows_of_1m_keys_stream_by_default():
+    """Without the hook: fp32 rows of 1M keys, more than the split tier takes, stream (no
+    cluster holds them), with and without a bool mask; a sample of rows against float64."""
+    _forget()
+    rows = int(_dev().caps.sm_count * _plan.SPLIT_ROWS_PER_SM) + 2
+    sk = 2**20
+    x = torch.randn((rows, sk), device="cuda") * 3
+    m = torch.rand((rows, sk), device="cuda") < 0.25
+    for mask in (None, m):
+        _assert_streams(_prepared(x, mask, scale=0.125), None, f"default, mask {mask is not None}")
+        y = torch.full_like(x, float("nan"))
+        drvsoftmax.scaled_masked_softmax(x, mask, scale=0.125, out=y)
+        torch.cuda.synchronize()
+        assert not torch.isnan(y).any(), "an element was not written"
+        idx = torch.tensor([0, 1, rows // 2, rows - 1], device="cuda")
+        s = x[idx].double() * 0.125
+        if mask is not None:
+            s = s.masked_fill(mask[idx], float("-inf"))
+        assert_matches(_np(y[idx]), torch.softmax(s, -1).cpu().numpy(), "float32", "1M keys")
+    _forget()
