@@ -335,15 +335,17 @@ def test_forward_on_a_side_stream_and_in_a_cuda_graph():
 
 
 def test_fp32_rows_of_1m_keys_on_sm_90(monkeypatch):
-    """fp32 rows of 2^20 keys fit no cluster of an H200: by default the looped tier takes
-    as many as fill the GPU (measured faster than the coop tier), the split tier fewer;
+    """fp32 rows of 2^20 keys fit no cluster of an H200: by default a cluster streams the
+    forwards of as many as fill the GPU and the looped tier takes their backwards (measured
+    faster than the coop tier), the split tier fewer;
     forced, the coop tier reads them once, forward and backward."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs sm_90+ (an H200: no cluster holds these rows there)")
     sk = 2**20
     monkeypatch.setattr(_plan, "FORCE_COOP", False)
     many = 4 * _caps().sm_count
-    assert _plan.plan_forward(many, sk, "float32", "none", True, True, _caps()).tier == "loop"
+    many_fwd = _plan.plan_forward(many, sk, "float32", "none", True, True, _caps())
+    assert many_fwd.kernel == _plan.kernel_fwd_stream("float32", "none"), many_fwd  # streamed by a cluster
     assert _plan.plan_backward(many, sk, "float32", True, True, _caps()).tier == "loop"
     assert _plan.plan_forward(3, sk, "float32", "none", True, True, _caps()).tier == "split"
     assert _plan.plan_backward(3, sk, "float32", True, True, _caps()).tier == "split"
