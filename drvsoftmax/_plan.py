@@ -429,11 +429,12 @@ CLUSTER_REG = 4
 # flight, so the second read finds them in L2; the looped tier, a block per row, reads them
 # from DRAM twice.  Measured on an H100 80GB HBM3 (% of copy, looped -> streamed at 16 CTAs
 # of 100 KB; fp32 [2,8,16,1M]): without a mask 63.1 -> 73.6 / 62.7 -> 73.8, with a bool mask
-# 61.1 -> 68.2 / 60.5 -> 68.4.  Shared memory per CTA (fp32 without a mask, 16 CTAs):
-# 0 / 64 / 80 / 100 / 120 / 150 / 180 / 200 KB: 64.5 / 71.0 / 72.4 / 73.8 / 74.6 / 62.8 /
-# 66.2 / 67.9 (one CTA per SM from 120 KB with the mask); 8 CTAs of 0 / 100 KB: 63.5 / 67.9;
-# 4 CTAs of 0: 60.7.  Not planned for 16-bit x: fp16 with a bool mask [2,8,32,1M] 59.3
-# looped against 43.6-57.6 streamed (16 CTAs of 0-200 KB), and the forward without a mask
+# 61.1 -> 68.2 / 60.5 -> 68.4.  By the cap on shared memory per CTA (whole steps below it),
+# fp32 without a mask, 16 CTAs: 0 / 64 / 80 / 100 / 120 / 150 / 180 / 200 KB: 64.5 / 71.0 /
+# 72.4 / 73.8 / 74.6 / 62.8 / 66.2 / 67.9 (two CTAs per SM up to 120, one beyond); with the
+# bool mask 66.5 / 67.8 / 68.4 at 64 / 80 / 100 KB and 56.0-57.6 from 120 (one CTA per SM);
+# 8 CTAs of 0 / 100 KB: 63.5 / 67.9; 4 CTAs of 0: 60.7.  Not yet measured on an H200.  Not planned for 16-bit x: fp16 with a bool mask [2,8,32,1M] 59.3
+# looped against 43.5-57.6 streamed (4-16 CTAs of 0-200 KB), and the forward without a mask
 # keeps the cluster that holds its row (88.9, streamed 35.6-88.8).  Nor for the other
 # masks of fp32 x (not measured) or the backward (its looped tier stays).
 STREAM_CLUSTER = 16
@@ -988,18 +989,18 @@ def _stream_plan(
     aligned_rows: bool,
     vector: bool,
     caps: DeviceCaps,
+    slot: int,
     smem_cap: int,
 ) -> LaunchPlan | None:
-    """The streamed cluster forward's plan (STREAM_CLUSTER CTAs a row, at most `smem_cap`
-    bytes of shared memory each, no more than the row needs), or None where the device has
-    no clusters or x and the mask no streamed kernel."""
+    """The streamed cluster forward's plan (STREAM_CLUSTER CTAs a row, `slot` bytes of
+    shared memory a chunk, at most `smem_cap` bytes each, no more than the row needs), or
+    None where the device has no clusters or x and the mask no streamed kernel."""
     if not caps.clusters or mask_kind not in stream_mask_kinds(dtype):
         return None
     cs = STREAM_CLUSTER
     if rows * cs > MAX_GRID:
         return None
     item = X_DTYPES[dtype][1]
-    slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
     chunks = row_chunks(sk, item, aligned_rows)
     # chunks per thread past the registers (the kernel's smx_slice_steps)
     need = CLUSTER_STEP * _ceil_div(max(0, _ceil_div(chunks, cs * BLOCK) - CLUSTER_REG), CLUSTER_STEP)
@@ -1089,7 +1090,7 @@ def plan_forward(
         reg = cluster_reg(item, mask_kind)
         name = kernel_fwd_cluster(dtype, mask_kind, reg)
         if FORCE_STREAM is not None and not (FORCE_COOP or FORCE_SPLIT):
-            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, FORCE_STREAM)
+            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, slot, FORCE_STREAM)
             if plan is not None:
                 return plan
         plan = (
@@ -1113,7 +1114,7 @@ def plan_forward(
             and not (FORCE_COOP or FORCE_SPLIT)
             and cluster_shape(row_chunks(sk, item, aligned_rows), slot, caps, reg) is None
         ):
-            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, STREAM_SMEM)
+            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, slot, STREAM_SMEM)
         if plan is not None:
             return plan
     whole = whole and tier == "register"
