@@ -530,6 +530,52 @@ __device__ __forceinline__ bool smx_interior(const FwdRow<T, M>& r, int base, in
   return base >= r.c0 && base + kb <= r.c1;
 }
 
+// One step of PAIR: U chunks of x (and the mask), this thread's at chunk cs + tid + k *
+// SMX_CBLOCK (cs: the step's first chunk), merged into
+// (m, s); a folded interior step where `fold` allows (as smx_fwd_slice's register chunks).
+template <typename T, class M>
+__device__ __forceinline__ void smx_cl_pair_step(float& m, float& s, const Chunk<T> (&cx)[1][SMX_CL_U],
+                                                 const MaskChunk<M, Chunk<T>::N> (&cm)[1][SMX_CL_U],
+                                                 const FwdRow<T, M> (&rw)[1], int cs, int tid, bool fold, float scale,
+                                                 float sl) {
+  enum { N = Chunk<T>::N, U = SMX_CL_U };
+  if (fold && smx_interior(rw[0], cs, U * SMX_CBLOCK)) {
+    smx_fold_pair<T, M, U>(m, s, cx, cm, scale, sl);
+    return;
+  }
+  float v[1][U][N], mx[1];
+  smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, cs + tid, SMX_CBLOCK, scale);
+  const float mu = smx_max_use(mx[0]);
+  float t = 0.0f;
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+#pragma unroll
+    for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
+  smx_pair_merge(m, s, mx[0], t);
+}
+// One step of STORE: y of the U chunks at cs + tid + k * SMX_CBLOCK; mu, inv: the row's max in use
+// and 1 / sum; a folded interior step where `sfold` allows (mls as smx_fold_store's).
+template <typename T, class M>
+__device__ __forceinline__ void smx_cl_store_step(const Chunk<T> (&cx)[1][SMX_CL_U],
+                                                  const MaskChunk<M, Chunk<T>::N> (&cm)[1][SMX_CL_U],
+                                                  const FwdRow<T, M> (&rw)[1], const bool (&acts)[1], int cs, int tid,
+                                                  const SmxFwdParams& p, bool sfold, float sl, float mls, float mu,
+                                                  const float (&inv)[1]) {
+  enum { N = Chunk<T>::N, U = SMX_CL_U };
+  const int c0 = cs + tid;
+  if (sfold && smx_interior(rw[0], cs, U * SMX_CBLOCK)) {
+    smx_fold_store<T, M, U, SMX_CBLOCK>(cx, cm, rw[0].y, c0, rw[0].ofs, sl, mls);
+    return;
+  }
+  float v[1][U][N], mx[1];
+  smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
+  smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
+}
+
 // ---------------------------------------------------------------------------------
 // A block's slice of one row: chunks rank * K * B .. of row `row` (see the top), its pair
 // exchanged with the row's other blocks through `xc`.  `act`: the row exists (coop blocks
@@ -650,24 +696,12 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
     for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
       Chunk<T> cx[1][U];
       MC cm[1][U];
-      float v[1][U][N], mx[1];
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         cx[0][k] = xs[(q0 + k) * SMX_CBLOCK + tid];
         if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_CBLOCK + tid];
       }
-      if (fold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
-        smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale, sl);
-        continue;
-      }
-      smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, cq + q0 * SMX_CBLOCK + tid, SMX_CBLOCK, p.scale);
-      const float mu = smx_max_use(mx[0]);
-      float t = 0.0f;
-#pragma unroll
-      for (int k = 0; k < U; ++k)
-#pragma unroll
-        for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
-      smx_pair_merge(m, s, mx[0], t);
+      smx_cl_pair_step<T, M>(m, s, cx, cm, rw, cq + q0 * SMX_CBLOCK, tid, fold, p.scale, sl);
     }
   }
   // STREAM: the steps past shared memory, loaded into registers (the tier's LOAD).
@@ -675,21 +709,9 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   for (int q0 = q_smem; STREAM && q0 < q_count; q0 += U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
-    float v[1][U][N], mx[1];
     const int c0 = cq + q0 * SMX_CBLOCK + tid;
     smx_fwd_load<T, M, U, 1, false>(cx, cm, rw, c0, SMX_CBLOCK, p, x, m0);
-    if (fold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
-      smx_fold_pair<T, M, U>(m, s, cx, cm, p.scale, sl);
-      continue;
-    }
-    smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
-    const float mu = smx_max_use(mx[0]);
-    float t = 0.0f;
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
-    smx_pair_merge(m, s, mx[0], t);
+    smx_cl_pair_step<T, M>(m, s, cx, cm, rw, cq + q0 * SMX_CBLOCK, tid, fold, p.scale, sl);
   }
   smx_warp_pair_merge(m, s);
   const int warp = tid >> 5;
@@ -721,19 +743,9 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   for (int q0 = q_count - U; STREAM && q0 >= (act ? q_smem : q_count); q0 -= U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
-    float v[1][U][N], mx[1];
     const int c0 = cq + q0 * SMX_CBLOCK + tid;
     smx_fwd_load<T, M, U, 1, false>(cx, cm, rw, c0, SMX_CBLOCK, p, x, m0);
-    if (sfold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
-      smx_fold_store<T, M, U, SMX_CBLOCK>(cx, cm, rw[0].y, c0, rw[0].ofs, sl, mls);
-      continue;
-    }
-    smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
-    smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
+    smx_cl_store_step<T, M>(cx, cm, rw, acts, cq + q0 * SMX_CBLOCK, tid, p, sfold, sl, mls, mu, inv);
   }
   if (R > 0 && act && sfold && smx_interior(rw[0], cb, R * SMX_CBLOCK)) {
     smx_fold_store<T, M, RR, SMX_CBLOCK>(cxr, cmr, rw[0].y, cb + tid, rw[0].ofs, sl, mls);
@@ -749,23 +761,12 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   for (int q0 = 0; q0 < (act ? q_smem : 0); q0 += U) {
     Chunk<T> cx[1][U];
     MC cm[1][U];
-    float v[1][U][N], mx[1];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       cx[0][k] = xs[(q0 + k) * SMX_CBLOCK + tid];
       if (M::PRESENT) cm[0][k] = ms[(q0 + k) * SMX_CBLOCK + tid];
     }
-    const int c0 = cq + q0 * SMX_CBLOCK + tid;
-    if (sfold && smx_interior(rw[0], cq + q0 * SMX_CBLOCK, U * SMX_CBLOCK)) {
-      smx_fold_store<T, M, U, SMX_CBLOCK>(cx, cm, rw[0].y, c0, rw[0].ofs, sl, mls);
-      continue;
-    }
-    smx_fwd_values<T, M, U, 1, false>(v, mx, cx, cm, rw, c0, SMX_CBLOCK, p.scale);
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[0][k][e] = smx_term(v[0][k][e], mu);
-    smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
+    smx_cl_store_step<T, M>(cx, cm, rw, acts, cq + q0 * SMX_CBLOCK, tid, p, sfold, sl, mls, mu, inv);
   }
   xc.finish();
 }
