@@ -1,0 +1,135 @@
+"""The streamed cluster forward at several shared-memory caps beside the planned, looped and
+split tiers, for fp32 rows the cluster tier does not hold, as % of a copy.
+
+    python3 benchmarks/stream_rows.py [--reps N] [--only WORD ...]
+
+Needs a GPU of sm_90 or newer and PyTorch with CUDA.  For fp32 x of rows of 1M keys (4 to
+256 rows) and of 512K keys (128 and 1024 rows), without a mask and with a bool padding mask
+`[1, Sk]`, it prepares the same forward as planned, as the looped tier plans it (the
+launch planned for the device without clusters or shared memory to hold rows), with the
+split tier forced (`_plan.FORCE_SPLIT`), and streamed with each block's shared memory capped
+at 0, 64, 100, 112 and 150 KB (`_plan.FORCE_STREAM`).  It checks that every output agrees
+with the planned one to fp32 rounding (the tiers add their terms in different orders; the
+exit status is 1 where one does not), then prints each launch's median time over three
+alternating rounds as % of a device-to-device copy timed in the same run (GB/s over x, the
+mask at its own size and y), with its tier, its cluster size and shared memory (or grid),
+and its kernel's registers.  Prints only; writes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO, REPO / "benchmarks"):  # drvsoftmax, and long_rows' timing
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+# (rows, Sk) of fp32 x: few and many rows of 1M keys, and rows of 512K keys, which a cluster
+# of 16 holds without a mask but with a bool mask only at more shared memory per block than
+# the planner gives a masked cluster (CLUSTER_LOOP_SMEM).
+SHAPES = [(4, 2**20), (16, 2**20), (64, 2**20), (256, 2**20), (128, 2**19), (1024, 2**19)]
+CASES = [(f"{kind} float32 {rows}x{sk}", rows, sk, kind) for rows, sk in SHAPES for kind in ("none", "bool")]
+# Shared memory per block of the forced streamed launches.
+STREAM_CAPS_KB = (0, 64, 100, 112, 150)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from long_rows import cuda_torch, operand, pct, tier_args
+
+    args = tier_args(__doc__, argv, 15)
+
+    torch = cuda_torch()
+    if torch is None:
+        return 2
+    if torch.cuda.get_device_capability() < (9, 0):
+        print("needs a GPU of sm_90 or newer (thread-block clusters)", file=sys.stderr)
+        return 2
+    from drvsoftmax import _core, _driver, _plan
+
+    dev = _driver.device(torch.cuda.current_device())
+    caps = dev.caps
+
+    from long_rows import _copy_ceiling, _median_ms
+
+    def med(fn) -> float:
+        return _median_ms(torch, fn, args.reps)
+
+    ceil = _copy_ceiling(torch, args.reps)
+    print(f"{dev.name} ({caps.sm_count} SMs), copy ceiling {ceil:.0f} GB/s", flush=True)
+
+    def prepared(x, m, y, label: str) -> _core.Prepared:
+        """The forward as `label` plans it: "planned", "loop", "split" or "stream <bytes>"."""
+        saved = _plan.FORCE_SPLIT, _plan.SPLIT, _plan.FORCE_STREAM, dev.caps
+        if label == "loop":
+            dev.caps = _plan.DeviceCaps(caps.cc, 0)  # no shared memory to hold rows
+        elif label == "split":
+            _plan.FORCE_SPLIT, _plan.SPLIT = True, True
+        elif label.startswith("stream"):
+            _plan.FORCE_STREAM = int(label.split()[1])
+        try:
+            return _core.prepare_forward(
+                dev, operand(x), operand(y), None if m is None else operand(m), None, False, 0.125, True, True
+            )
+        finally:
+            _plan.FORCE_SPLIT, _plan.SPLIT, _plan.FORCE_STREAM, dev.caps = saved
+
+    def regs(prep: _core.Prepared) -> str:
+        from cuda.bindings import driver as drv
+
+        A = drv.CUfunction_attribute
+        r = _driver.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, prep.func), "cuFuncGetAttribute")
+        return f"{r} regs"
+
+    labels = ["planned", "loop", "split"] + [f"stream {kb * 1024}" for kb in STREAM_CAPS_KB]
+    gen = torch.Generator(device="cuda").manual_seed(20261206)
+    status = 0
+    for name, rows, sk, kind in CASES:
+        if args.only and not any(w in name for w in args.only):
+            continue
+        x = torch.randn((rows, sk), device="cuda", dtype=torch.float32, generator=gen) * 3
+        m = None if kind == "none" else torch.rand((1, sk), device="cuda", generator=gen) < 0.2
+        nbytes = 2 * x.nbytes + (0 if m is None else m.nbytes)
+        s = torch.cuda.current_stream().cuda_stream
+        mp = 0 if m is None else m.data_ptr()
+        runs = []
+        for label in labels:
+            y = torch.full_like(x, float("nan"))
+            prep = prepared(x, m, y, label)
+            if label == "split" and prep.plan.tier != "split":
+                continue  # (the split tier does not take these rows)
+            runs.append(
+                (label, prep, y, functools.partial(_core.launch, prep, x.data_ptr(), y.data_ptr(), mp, 0, s, True))
+            )
+        for _, _, _, run in runs:
+            run()
+        torch.cuda.synchronize()
+        ref = runs[0][2]
+        tol = 1e-4 * ref.abs().max().item()
+        print(f"{name}:")
+        times: dict[str, list[float]] = {label: [] for label, _, _, _ in runs}
+        for _ in range(3):
+            for label, _, _, run in runs:
+                times[label].append(med(run))
+        for label, prep, y, _ in runs:
+            diff = (y - ref).abs().max().item()
+            if not diff <= tol:  # (NaN: an element left unwritten)
+                print(f"   {label}: max |difference| {diff:.3g} from the planned output (tolerance {tol:.3g})")
+                status = 1
+            p = prep.plan
+            shape = f"cluster {p.cluster}, {p.smem // 1024} KB" if p.cluster else f"grid {p.grid}"
+            print(
+                f"   {label:<14} {pct(nbytes, times[label], ceil)} % ({min(times[label]):.4f} ms; {p.tier}, {shape}; "
+                f"{regs(prep)}; max |diff| {diff:.2g})"
+            )
+        sys.stdout.flush()
+        x = m = ref = None
+        runs = []
+        torch.cuda.empty_cache()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
