@@ -530,9 +530,9 @@ __device__ __forceinline__ bool smx_interior(const FwdRow<T, M>& r, int base, in
   return base >= r.c0 && base + kb <= r.c1;
 }
 
-// One step of PAIR: U chunks of x (and the mask), this thread's at chunk cs + tid + k *
-// SMX_CBLOCK (cs: the step's first chunk), merged into
-// (m, s); a folded interior step where `fold` allows (as smx_fwd_slice's register chunks).
+// One step of PAIR: this thread's U chunks of x (and the mask), at chunks cs + tid + k *
+// SMX_CBLOCK (cs: the step's first chunk), merged into (m, s); a folded interior step where
+// `fold` allows (as smx_fwd_slice's register chunks).
 template <typename T, class M>
 __device__ __forceinline__ void smx_cl_pair_step(float& m, float& s, const Chunk<T> (&cx)[1][SMX_CL_U],
                                                  const MaskChunk<M, Chunk<T>::N> (&cm)[1][SMX_CL_U],
@@ -553,8 +553,9 @@ __device__ __forceinline__ void smx_cl_pair_step(float& m, float& s, const Chunk
     for (int e = 0; e < N; ++e) t += smx_term(v[0][k][e], mu);
   smx_pair_merge(m, s, mx[0], t);
 }
-// One step of STORE: y of the U chunks at cs + tid + k * SMX_CBLOCK; mu, inv: the row's max in use
-// and 1 / sum; a folded interior step where `sfold` allows (mls as smx_fold_store's).
+// One step of STORE: y of this thread's U chunks at cs + tid + k * SMX_CBLOCK; mu, inv: the
+// row's max in use and 1 / sum; a folded interior step where `sfold` allows (mls as
+// smx_fold_store's).
 template <typename T, class M>
 __device__ __forceinline__ void smx_cl_store_step(const Chunk<T> (&cx)[1][SMX_CL_U],
                                                   const MaskChunk<M, Chunk<T>::N> (&cm)[1][SMX_CL_U],
