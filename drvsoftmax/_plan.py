@@ -422,8 +422,9 @@ CLUSTER_REG = 4
 
 
 # The streamed cluster forward (sm_90+; smx_fwd_cluster_stream in softmax_cluster.cu): rows
-# that no cluster holds on chip and that fill the device (more rows than the split tier
-# takes) run in clusters of STREAM_CLUSTER CTAs of up to STREAM_SMEM bytes of shared memory
+# the cluster tier does not take (no cluster holds them on chip, or only one of 16 CTAs of
+# more than CLUSTER_LOOP_SMEM with a mask), however few, run in clusters of STREAM_CLUSTER
+# CTAs of up to STREAM_SMEM bytes of shared memory
 # each (two per SM), the rest of each slice read from global memory twice: once for the
 # row's (max, sum), again, from L2 by then, for y.  With 16 CTAs per row few rows are in
 # flight, so the second read finds them in L2; the looped tier, a block per row, reads them
@@ -433,21 +434,19 @@ CLUSTER_REG = 4
 # fp32 without a mask, 16 CTAs: 0 / 64 / 80 / 100 / 120 / 150 / 180 / 200 KB: 64.5 / 71.0 /
 # 72.4 / 73.8 / 74.6 / 62.8 / 66.2 / 67.9 (two CTAs per SM up to 120, one beyond); with the
 # bool mask 66.5 / 67.8 / 68.4 at 64 / 80 / 100 KB and 56.0-57.6 from 120 (one CTA per SM);
-# 8 CTAs of 0 / 100 KB: 63.5 / 67.9; 4 CTAs of 0: 60.7.  Not yet measured on an H200.  Not planned for 16-bit x: fp16 with a bool mask [2,8,32,1M] 59.3
+# 8 CTAs of 0 / 100 KB: 63.5 / 67.9; 4 CTAs of 0: 60.7.  Few rows, against the split tier
+# (planned before it; H100, % of copy, split -> streamed at 100 KB,
+# without / with a bool mask): fp32 rows of 1M keys, 4 rows 10.5 / 11.2 -> 28.7 / 26.6, 16
+# rows 27.2 / 21.1 -> 48.9 / 38.3, 32 rows 30.5 / 35.5 -> 58.7 / 52.3, 64 rows 42.9 / 43.2 ->
+# 64.3 / 62.2.  Rows of 512K keys with a bool mask, which a cluster of 16 holds only with
+# 140 KB per CTA (CLUSTER_LOOP_SMEM: the loop), 128 / 256 / 512 / 1024 rows: loop 48.3 / 60.1
+# / 57.7 / 63.8 -> streamed 67.3 / 73.4 / 78.2 / 81.5 (112 KB: 71.3 / 73.4 / 77.9 / 81.5).
+# The same rows without a mask keep the cluster that holds them (76.2 / 83.1 / 87.8 / 91.5;
+# streamed 79.7 / 85.3 / 89.2 / 90.3).  Not yet measured on an H200.
+# Not planned for 16-bit x: fp16 with a bool mask [2,8,32,1M] 59.3
 # looped against 43.5-57.6 streamed (4-16 CTAs of 0-200 KB), and the forward without a mask
 # keeps the cluster that holds its row (88.9, streamed 35.6-88.8).  Nor for the other
 # masks of fp32 x (not measured) or the backward (its looped tier stays).
-# Measured and not planned yet (the GPU tests with them planned have not completed: the
-# cluster GPU tests' scan of row lengths, which ends at the first row the cluster tier does
-# not take, never ended once streamed plans took every longer row): fp32 rows the split
-# tier takes, streamed instead (H100,
-# % of copy, split -> streamed at 100 KB, without / with a bool mask; rows of 1M keys): 4 rows
-# 10.5 / 11.2 -> 28.7 / 26.6, 16 rows 27.2 / 21.1 -> 48.9 / 38.3, 32 rows 30.5 / 35.5 -> 58.7
-# / 52.3, 64 rows 42.9 / 43.2 -> 64.3 / 62.2; and fp32 rows of 512K keys with a bool mask,
-# which a cluster of 16 holds only with 140 KB per CTA (past CLUSTER_LOOP_SMEM: the loop),
-# 128 / 256 / 512 / 1024 rows: loop 48.3 / 60.1 / 57.7 / 63.8 -> streamed 67.3 / 73.4 / 78.2 /
-# 81.5 (the same rows without a mask keep their cluster: 76.2 / 83.1 / 87.8 / 91.5 against
-# streamed 79.7 / 85.3 / 89.2 / 90.3).
 STREAM_CLUSTER = 16
 STREAM_SMEM = 100 * 1024
 STREAM_MASK_KINDS = ("none", "hide1")
@@ -1115,17 +1114,13 @@ def plan_forward(
                 kernel_fwd_coop(dtype, mask_kind, CLUSTER_REG) if mask_kind == "none" else None,
             )
             plan = _coop_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
+        if plan is None and not (FORCE_COOP or FORCE_SPLIT):
+            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, slot, STREAM_SMEM)
         mi = MASK_ITEMSIZE[mask_kind]
         segs = split_segments(sk, item, aligned_rows, False, mi)
         if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
             name = kernel_fwd_split(dtype, mask_kind)
             plan = _split_plan(name, rows, sk, item, aligned_rows, vector, False, mi)
-        if (
-            plan is None
-            and not (FORCE_COOP or FORCE_SPLIT)
-            and cluster_shape(row_chunks(sk, item, aligned_rows), slot, caps, reg) is None
-        ):
-            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, slot, STREAM_SMEM)
         if plan is not None:
             return plan
     whole = whole and tier == "register"

@@ -121,7 +121,9 @@ def _planned(dtype: str, sk: int, backward: bool, mask_kind: str = "none") -> _p
 def _boundary_sks(dtype: str, backward: bool, mask_kind: str = "none") -> list[tuple[int, _plan.LaunchPlan]]:
     """Row lengths around every change of launch shape of the cluster tier on this device
     (cluster size, chunks per thread, register variant; the register tier before it and the
-    loop after it), each with the plan it gets: just below, at and one past each change."""
+    loop, split or streamed forward after it), each with the plan it gets: just below, at and
+    one past each change.  The scan ends at the first row the cluster tier does not hold: a
+    streamed plan (tier "cluster" too) takes rows of any length."""
     n = 16 // ITEM[dtype]
 
     def key(c):
@@ -130,7 +132,7 @@ def _boundary_sks(dtype: str, backward: bool, mask_kind: str = "none") -> list[t
 
     last = 2048 if ITEM[dtype] == 2 else 4096  # the register tier's last row, in chunks
     changes, c, prev = [last], last + 1, key(last + 1)
-    while prev[0] == "cluster":
+    while prev[0] == "cluster" and "stream" not in prev[1]:
         c += 1024
         cur = key(c)
         if cur != prev:

@@ -199,10 +199,17 @@ def test_cluster_tier_starts_where_the_register_tier_ends(backward):
 
 @pytest.mark.parametrize(
     "dtype,mk,backward",
-    [("float16", "none", False), ("float16", "hide1", False), ("bfloat16", "hide1", False), ("float32", "none", False)],
+    [
+        ("float16", "none", False),
+        ("float16", "hide1", False),
+        ("bfloat16", "hide1", False),
+        ("float32", "none", False),
+        ("float32", "hide1", False),
+    ],
 )
 def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
-    """The last row length the cluster tier takes and the first it leaves to the loop."""
+    """The last row length the cluster tier takes and the first it leaves to the loop (to
+    the streamed cluster forward in fp32 without a mask or with a bool mask)."""
     n = 16 // ITEM[dtype]
     slot = _slot(mk or "none", dtype, backward)
     qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
@@ -219,9 +226,9 @@ def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
         _plan_of(backward, 2, longest, dtype, mk or "none", False, H200),
     )  # (one chunk more)
     for q in beyond:
-        if not backward and (mk or "none") == "none" and ITEM[dtype] == 4:
-            # fp32 without a mask: no cluster holds the row, the streamed cluster forward takes it
-            assert q.kernel == _plan.kernel_fwd_stream(dtype, "none"), q
+        if not backward and mk in _plan.stream_mask_kinds(dtype):
+            # fp32 without a mask or with a bool mask: the streamed cluster forward takes the row
+            assert q.kernel == _plan.kernel_fwd_stream(dtype, mk), q
         else:
             assert q.tier == after, q
 
@@ -255,29 +262,48 @@ STREAM_CASES = [
     (64, 2**20 + 5, "none", False),
     (300, 3 * 2**20 + 1, "hide1", False),
     (17, 2**22, "none", True),
+    (4, 2**20, "hide1", True),
+    (1, 2**20 + 3, "none", False),
 ]
 
 
 @pytest.mark.parametrize("rows,sk,mk,aligned", STREAM_CASES)
 def test_streamed_forward_of_rows_no_cluster_holds(rows, sk, mk, aligned):
-    """fp32 rows beyond any cluster's shared memory, enough of them to fill the device,
-    take the streamed cluster forward; the same rows in 16-bit x keep their tier, and so do
-    the rows where the split tier pays (few rows) and devices without clusters."""
+    """fp32 rows beyond any cluster's shared memory take the streamed cluster forward, few
+    rows (where the split tier would pay) as well as many; the same rows in 16-bit x keep
+    their tier (the split tier for few rows), and so do devices without clusters."""
     caps = _plan.DeviceCaps(90, 232448, 132)
     p = _plan.plan_forward(rows, sk, "float32", mk, True, aligned, caps)
     slot = _slot(mk, "float32", False)
     chunks = _plan.row_chunks(sk, 4, aligned)
-    if rows <= caps.sm_count * _plan.SPLIT_ROWS_PER_SM:
-        assert p.tier == "split", p
-        return
     assert p.kernel == _plan.kernel_fwd_stream("float32", mk), p
     _assert_streamed(p, rows, chunks, slot, caps)
     assert p.smem == min(_plan.STREAM_SMEM // (256 * slot * 4) * 4 * 256 * slot, p.smem), p
     assert "streamed" in p.reason
+    few = rows <= caps.sm_count * _plan.SPLIT_ROWS_PER_SM
     for dt in ("float16", "bfloat16"):
-        assert "stream" not in _plan.plan_forward(rows, sk, dt, mk, True, aligned, caps).kernel
+        q = _plan.plan_forward(rows, sk, dt, mk, True, aligned, caps)
+        assert "stream" not in q.kernel
+        if few and _plan.split_pays(rows, _plan.split_segments(sk, 2, aligned, False, 1 if mk != "none" else 0), caps):
+            assert q.tier in ("cluster", "split"), q  # a cluster where one holds the row
     assert "stream" not in _plan.plan_backward(rows, sk, "float32", True, aligned, caps).kernel
     assert "stream" not in _plan.plan_forward(rows, sk, "float32", mk, True, aligned, A100).kernel
+
+
+def test_fp32_bool_rows_a_cluster_of_16_holds_only_in_big_blocks_stream():
+    """fp32 rows with a bool mask that a cluster of 16 would hold only with more than
+    CLUSTER_LOOP_SMEM per block (where it loses to the loop) take the streamed forward; the
+    same rows without a mask stay in the cluster that holds them, and an additive mask (no
+    streamed kernel) keeps the loop."""
+    sk = 2**19
+    slot = _slot("hide1", "float32", False)
+    assert _plan.cluster_shape(_plan.row_chunks(sk, 4, True), slot, H200, _plan.CLUSTER_REG) is not None
+    for rows in (16, 128, 1024):
+        p = _plan.plan_forward(rows, sk, "float32", "hide1", True, True, H200)
+        assert p.kernel == _plan.kernel_fwd_stream("float32", "hide1"), p
+        _assert_streamed(p, rows, _plan.row_chunks(sk, 4, True), slot, H200)
+        assert _plan.plan_forward(rows, sk, "float32", "none", True, True, H200).kernel.startswith("smx_fwd_cluster<")
+        assert _plan.plan_forward(rows, sk, "float32", "add_float32", True, True, H200).tier == "loop"
 
 
 def test_forced_streamed_plans_take_the_knob_s_shared_memory(monkeypatch):

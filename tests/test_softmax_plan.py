@@ -770,7 +770,8 @@ def test_pipelined_tier_never_takes_rows_off_the_chunk_grid_or_lean_ones(monkeyp
 def test_split_tier_takes_the_looped_tiers_rows_only_where_they_leave_the_device_idle():
     """Few rows (at most half the SMs) whose segments fit the device at once: the split
     tier; more rows, too many segments, an unknown SM count, no device or a chip before
-    sm_70: the looped tier; rows a cluster holds keep their cluster."""
+    sm_70: the looped tier; rows a cluster holds keep their cluster, and fp32 forwards
+    stream on sm_90+ however few their rows."""
     h200 = _plan.DeviceCaps(90, 232448, 132)
     for dtype in DTYPES:
         item = ITEMSIZE[dtype]
@@ -780,14 +781,14 @@ def test_split_tier_takes_the_looped_tiers_rows_only_where_they_leave_the_device
                 assert segs <= 132 * _plan.SPLIT_MAX_PER_SM
                 few = plan_of(backward, 66, sk, dtype, "hide1", True, h200)
                 many = plan_of(backward, 67, sk, dtype, "hide1", True, h200)
+                if not backward and item == 4:  # fp32 forwards: streamed by a cluster, however few
+                    assert few.kernel == many.kernel == _plan.kernel_fwd_stream(dtype, "hide1"), (few, many)
+                    continue
                 if few.tier == "cluster":
                     assert many.tier == "cluster"
                     continue
                 assert few.tier == "split" and few.split == segs and few.grid == segs * 66, few
-                if not backward and item == 4:  # fp32 forwards: the streamed cluster forward
-                    assert many.kernel == _plan.kernel_fwd_stream(dtype, "hide1"), many
-                else:
-                    assert many.tier == "loop", many
+                assert many.tier == "loop", many
                 for caps in (None, _plan.DeviceCaps(90, 232448), _plan.DeviceCaps(61, 98304, 20)):
                     fewer = plan_of(backward, 8, sk, dtype, "hide1", True, caps)
                     assert fewer.tier in ("loop", "coop") or "stream" in fewer.kernel, fewer

@@ -189,24 +189,27 @@ def test_backward(sk, dtype):
 
 def test_autograd_and_the_default_plan(monkeypatch):
     """Without the knob, with the tier on (`_plan.SPLIT`): rows the looped tier would take
-    run on the split tier, through autograd too."""
+    run on the split tier, through autograd too (16-bit rows of 1M keys with a bool mask:
+    a cluster of 16 would need more than CLUSTER_LOOP_SMEM per block, and 16-bit x has no
+    streamed forward)."""
     monkeypatch.setattr(_plan, "FORCE_SPLIT", False)
     monkeypatch.setattr(_plan, "SPLIT", True)
     _forget()
     dev = _dev()
     sk = 1 << 20
-    x = _x((3, sk), "float32").requires_grad_()
-    plan = _fwd_plan(x.detach(), None, False, None, torch.empty_like(x), 1.0)
+    x = _x((3, sk), "float16").requires_grad_()
+    m = torch.from_numpy(_gen.random((1, sk)) < 0.3).cuda()
+    plan = _fwd_plan(x.detach(), m, False, None, torch.empty_like(x), 1.0)
     if plan.tier == "cluster":  # (where clusters of 16 hold such rows)
         pytest.skip(f"the cluster tier takes these rows on {dev.arch}")
     assert plan.tier == "split", plan.describe()
-    y = drvsoftmax.scaled_masked_softmax(x, scale=0.5)
-    g = _x((3, sk), "float32")
+    y = drvsoftmax.scaled_masked_softmax(x, m, scale=0.5)
+    g = _x((3, sk), "float16")
     (y * g).sum().backward()
-    ref_y = _reference.softmax_forward(_np(x), None, 0.5, False, None)
-    assert_matches(_np(y), ref_y, "float32", "autograd forward")
+    ref_y = _reference.softmax_forward(_np(x), _np(m), 0.5, False, None)
+    assert_matches(_np(y), ref_y, "float16", "autograd forward")
     ref_dx = _reference.softmax_backward(_np(g), _np(y), 0.5)
-    assert_matches(_np(x.grad), ref_dx, "float32", "autograd backward")
+    assert_matches(_np(x.grad), ref_dx, "float16", "autograd backward")
 
 
 def test_cuda_graph_capture_and_replay():

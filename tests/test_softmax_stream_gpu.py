@@ -3,13 +3,13 @@ random inputs.
 
 Runs alone: `python -m pytest tests/test_softmax_stream_gpu.py`.  Skips cleanly without
 PyTorch, without a CUDA GPU, or on a GPU older than sm_90 (no thread-block clusters).  By
-default only fp32 rows that no cluster holds on chip stream (rows of about 1M keys and
-more); here `_plan.FORCE_STREAM` (a test hook) caps each block's shared memory, down to
-none, so that shorter rows stream too: every slice then has chunks in registers, in shared
-memory and streamed (read in PAIR and again in STORE), with the row's ends, hidden keys and
-odd alignments among them.  Every output is poisoned with NaN first, so an element no
-block writes shows up as a NaN the reference does not have.  Each case first checks that
-the launch really is of the streamed kernel.
+default only fp32 rows that the cluster tier does not take stream (rows of about 1M keys
+and more; with a bool mask, beyond 458752 keys); here `_plan.FORCE_STREAM` (a test hook)
+caps each block's shared memory, down to none, so that shorter rows stream too: every
+slice then has chunks in registers, in shared memory and streamed (read in PAIR and again
+in STORE), with the row's ends, hidden keys and odd alignments among them.  Every output
+is poisoned with NaN first, so an element no block writes shows up as a NaN the reference
+does not have.  Each case first checks that the launch really is of the streamed kernel.
 """
 
 from __future__ import annotations
@@ -171,23 +171,29 @@ def test_strided_unaligned_and_in_place_rows(stream):
     assert_matches(_np(x), ref, "float32", "out=x")
 
 
-def test_rows_of_1m_keys_stream_by_default():
-    """Without the hook: fp32 rows of 1M keys, more than the split tier takes, stream (no
-    cluster holds them), with and without a bool mask; a sample of rows against float64."""
+@pytest.mark.parametrize(
+    "rows,sk,masks",
+    [("many", 2**20, ("none", "bool")), (3, 2**20, ("none", "bool")), (5, 2**19, ("bool",))],
+)
+def test_rows_no_cluster_takes_stream_by_default(rows, sk, masks):
+    """Without the hook: fp32 rows the cluster tier does not take stream, with and without
+    a bool mask: rows of 1M keys (no cluster holds them), more than the split tier would
+    take and as few as 3; rows of 512K keys with a bool mask (a cluster of 16 would need
+    more than CLUSTER_LOOP_SMEM per block).  A sample of rows against float64."""
     _forget()
-    rows = int(_dev().caps.sm_count * _plan.SPLIT_ROWS_PER_SM) + 2
-    sk = 2**20
+    if rows == "many":
+        rows = int(_dev().caps.sm_count * _plan.SPLIT_ROWS_PER_SM) + 2
     x = torch.randn((rows, sk), device="cuda") * 3
     m = torch.rand((rows, sk), device="cuda") < 0.25
-    for mask in (None, m):
+    for mask in [None if mk == "none" else m for mk in masks]:
         _assert_streams(_prepared(x, mask, scale=0.125), None, f"default, mask {mask is not None}")
         y = torch.full_like(x, float("nan"))
         drvsoftmax.scaled_masked_softmax(x, mask, scale=0.125, out=y)
         torch.cuda.synchronize()
         assert not torch.isnan(y).any(), "an element was not written"
-        idx = torch.tensor([0, 1, rows // 2, rows - 1], device="cuda")
+        idx = torch.tensor(sorted({0, 1, rows // 2, rows - 1}), device="cuda")
         s = x[idx].double() * 0.125
         if mask is not None:
             s = s.masked_fill(mask[idx], float("-inf"))
-        assert_matches(_np(y[idx]), torch.softmax(s, -1).cpu().numpy(), "float32", "1M keys")
+        assert_matches(_np(y[idx]), torch.softmax(s, -1).cpu().numpy(), "float32", f"{sk} keys")
     _forget()
