@@ -772,28 +772,50 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   xc.finish();
 }
 
-template <typename T, int R, class X>
+// K streamed chunks of dy and y per thread at chunk c0, c0 + SMX_CBLOCK, ...: their dot
+// product added to `dot`, or dx stored.
+template <typename T, int K>
+__device__ __forceinline__ void smx_bwd_stream_dot(float& dot, const BwdRow<T> (&rw)[1], int c0,
+                                                   const SmxBwdParams& p, const T* dy, const T* y) {
+  Chunk<T> cd[1][K], cy[1][K];
+  float t[1];
+  smx_bwd_load<T, K, 1, false>(cd, cy, rw, c0, SMX_CBLOCK, p, dy, y);
+  smx_bwd_dot<T, K, 1, false>(t, cd, cy, rw, c0, SMX_CBLOCK, p.sk);
+  dot += t[0];
+}
+template <typename T, int K>
+__device__ __forceinline__ void smx_bwd_stream_store(const float (&dots)[1], const BwdRow<T> (&rw)[1], int c0,
+                                                     const SmxBwdParams& p, const T* dy, const T* y) {
+  Chunk<T> cd[1][K], cy[1][K];
+  smx_bwd_load<T, K, 1, false>(cd, cy, rw, c0, SMX_CBLOCK, p, dy, y);
+  smx_bwd_store<T, K, 1, false>(cd, cy, dots, rw, c0, SMX_CBLOCK, p);
+}
+
+// The backward's slice: as the forward's, dy and y in place of x and the mask; STREAM as
+// there (the steps past shared memory read for the dot product and again for dx).
+template <typename T, int R, class X, bool STREAM = false>
 __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                                               const SmxBwdParams& p, smx_i64 row, int rank, const X& xc, float* red,
                                               float* pair) {
   enum { N = Chunk<T>::N, U = SMX_CL_U };
   const int tid = threadIdx.x;
-  const int q_count = (int)(smx_dyn_smem_size() / (32 * SMX_CBLOCK * U)) * U;  // as forward
-  const int slots = q_count * SMX_CBLOCK;  // chunks of dy and of y
+  const int q_smem = (int)(smx_dyn_smem_size() / (32 * SMX_CBLOCK * U)) * U;  // as forward
+  const int slots = q_smem * SMX_CBLOCK;  // chunks of dy and of y
   Chunk<T>* ds = (Chunk<T>*)smx_cl_dyn;
   Chunk<T>* ys = ds + slots;
-  const int cb = rank * (slots + R * SMX_CBLOCK);
-  const int cq = cb + R * SMX_CBLOCK;
 
   BwdRow<T> rw[1];
   rw[0] = smx_bwd_row<T, false>(dy, y, dx, p, row);
+  const int q_count = STREAM ? smx_slice_steps<T>(p.sk + rw[0].ofs, xc.blocks(), R, q_smem) : q_smem;
+  const int cb = rank * ((q_count + R) * SMX_CBLOCK);
+  const int cq = cb + R * SMX_CBLOCK;
   const int sk = rw[0].act ? p.sk : 0;  // nothing of a row past the end is read
   const bool vec = (p.flags & SMX_F_VEC) != 0;
   enum { RR = R > 0 ? R : 1 };
   Chunk<T> cdr[1][RR], cyr[1][RR];
   if (R > 0) smx_bwd_load<T, RR, 1, false>(cdr, cyr, rw, cb + tid, SMX_CBLOCK, p, dy, y);
 
-  const int steps = q_count / U;
+  const int steps = q_smem / U;
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
 #pragma unroll 1
@@ -841,6 +863,9 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
       dot += t[0];
     }
   }
+  // STREAM: the steps past shared memory, loaded into registers.
+#pragma unroll 1
+  for (int qs = q_smem; STREAM && qs < q_count; qs += U) smx_bwd_stream_dot<T, U>(dot, rw, cq + qs * SMX_CBLOCK + tid, p, dy, y);
   dot = smx_warp_sum(dot);
   const int warp = tid >> 5;
   if ((tid & 31) == 0) red[warp] = dot;
@@ -855,11 +880,16 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
     }
   }
   float m;
-  xc.template merge<true, T>(m, dot, pair, rw[0].dx, p.sdx, rw[0].ofs, slots + R * SMX_CBLOCK, rw[0].act);
+  xc.template merge<true, T>(m, dot, pair, rw[0].dx, p.sdx, rw[0].ofs, (q_count + R) * SMX_CBLOCK, rw[0].act);
 
   const float dots[1] = {dot};
+  // The streamed steps first, the last read first (as forward).
+  const int lo = rw[0].act ? q_smem : q_count;
+#pragma unroll 1
+  for (int qs = q_count - U; STREAM && qs >= lo; qs -= U)
+    smx_bwd_stream_store<T, U>(dots, rw, cq + qs * SMX_CBLOCK + tid, p, dy, y);
   if (R > 0) smx_bwd_store<T, RR, 1, false>(cdr, cyr, dots, rw, cb + tid, SMX_CBLOCK, p);
-  for (int q0 = 0; q0 < (rw[0].act ? q_count : 0); q0 += U) {
+  for (int q0 = 0; q0 < (rw[0].act ? q_smem : 0); q0 += U) {
     Chunk<T> cd[1][U], cy[1][U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -885,18 +915,38 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 template <typename T, class M> struct SmxClusterFwdBlocks {
   enum { V = sizeof(typename M::S) == 8 || (sizeof(T) == 4 && M::PRESENT && !M::HIDE) ? 2 : 3 };
 };
-template <typename T, class M, int R>
-__global__ void __launch_bounds__(SMX_CBLOCK, (SmxClusterFwdBlocks<T, M>::V))
-smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
-                const void* __restrict__ klen, const SmxFwdParams p) {
 #if __CUDA_ARCH__ >= 900
+// A cluster kernel's body: the block's slice of row blockIdx.x / CS, the exchange set up.
+template <typename T, class M, int R, bool STREAM>
+__device__ __forceinline__ void smx_fwd_cluster_body(const T* __restrict__ x, T* __restrict__ y,
+                                                     const void* __restrict__ mask, const void* __restrict__ klen,
+                                                     const SmxFwdParams& p) {
   __shared__ float red[2][SMX_CBLOCK / 32];
   __shared__ float pair[2];
   __shared__ SmxClusterShared xs;
   const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
   xc.start();
-  smx_fwd_slice<T, M, R>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)xc.rank, xc, red,
-                         pair);
+  smx_fwd_slice<T, M, R, SmxClusterX, STREAM>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true,
+                                              (int)xc.rank, xc, red, pair);
+}
+template <typename T, int R, bool STREAM>
+__device__ __forceinline__ void smx_bwd_cluster_body(const T* __restrict__ dy, const T* __restrict__ y,
+                                                     T* __restrict__ dx, const SmxBwdParams& p) {
+  __shared__ float red[SMX_CBLOCK / 32];
+  __shared__ float pair[2];
+  __shared__ SmxClusterShared xs;
+  const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
+  xc.start();
+  smx_bwd_slice<T, R, SmxClusterX, STREAM>(dy, y, dx, p, (smx_i64)(blockIdx.x / xc.cs), (int)xc.rank, xc, red, pair);
+}
+#endif
+
+template <typename T, class M, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, (SmxClusterFwdBlocks<T, M>::V))
+smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+                const void* __restrict__ klen, const SmxFwdParams p) {
+#if __CUDA_ARCH__ >= 900
+  smx_fwd_cluster_body<T, M, R, false>(x, y, mask, klen, p);
 #endif
 }
 
@@ -907,13 +957,7 @@ __global__ void __launch_bounds__(SMX_CBLOCK, 2)
 smx_fwd_cluster_stream(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
                        const void* __restrict__ klen, const SmxFwdParams p) {
 #if __CUDA_ARCH__ >= 900
-  __shared__ float red[2][SMX_CBLOCK / 32];
-  __shared__ float pair[2];
-  __shared__ SmxClusterShared xs;
-  const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
-  xc.start();
-  smx_fwd_slice<T, M, R, SmxClusterX, true>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true, (int)xc.rank,
-                                            xc, red, pair);
+  smx_fwd_cluster_body<T, M, R, true>(x, y, mask, klen, p);
 #endif
 }
 
@@ -921,12 +965,17 @@ template <typename T, int R>
 __global__ void __launch_bounds__(SMX_CBLOCK, 2)
 smx_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
 #if __CUDA_ARCH__ >= 900
-  __shared__ float red[SMX_CBLOCK / 32];
-  __shared__ float pair[2];
-  __shared__ SmxClusterShared xs;
-  const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
-  xc.start();
-  smx_bwd_slice<T, R>(dy, y, dx, p, (smx_i64)(blockIdx.x / xc.cs), (int)xc.rank, xc, red, pair);
+  smx_bwd_cluster_body<T, R, false>(dy, y, dx, p);
+#endif
+}
+
+// The same with a slice longer than its shared memory: the steps past it streamed
+// (smx_bwd_slice's STREAM), for rows no cluster holds on chip.
+template <typename T, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, 2)
+smx_bwd_cluster_stream(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, const SmxBwdParams p) {
+#if __CUDA_ARCH__ >= 900
+  smx_bwd_cluster_body<T, R, true>(dy, y, dx, p);
 #endif
 }
 

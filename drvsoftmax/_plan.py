@@ -293,6 +293,10 @@ def kernel_bwd_cluster(dtype: str, reg: int = 0) -> str:
     return f"smx_bwd_cluster<{_t(dtype)}, {reg}>"
 
 
+def kernel_bwd_stream(dtype: str) -> str:
+    return f"smx_bwd_cluster_stream<{_t(dtype)}, {CLUSTER_REG}>"
+
+
 def kernel_fwd_coop(dtype: str, mask_kind: str, reg: int = 0) -> str:
     return f"smx_fwd_coop<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {reg}>"
 
@@ -339,6 +343,7 @@ def all_kernel_names() -> list[str]:
         names += [kernel_fwd_cluster(dt, mk, cluster_reg(X_DTYPES[dt][1], mk)) for mk in MASK_KINDS]
         names.append(kernel_bwd_cluster(dt, CLUSTER_REG))
         names += [kernel_fwd_stream(dt, mk) for mk in stream_mask_kinds(dt)]
+        names.append(kernel_bwd_stream(dt))
     for dt in X_DTYPES:  # the coop tier after them
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
@@ -446,13 +451,27 @@ CLUSTER_REG = 4
 # Not planned for 16-bit x: fp16 with a bool mask [2,8,32,1M] 59.3
 # looped against 43.5-57.6 streamed (4-16 CTAs of 0-200 KB), and the forward without a mask
 # keeps the cluster that holds its row (88.9, streamed 35.6-88.8).  Nor for the other
-# masks of fp32 x (not measured) or the backward (its looped tier stays).
+# masks of fp32 x (not measured).
+#
+# The streamed cluster backward (smx_bwd_cluster_stream), every dtype: rows no cluster
+# holds, however few, in clusters of STREAM_CLUSTER CTAs of up to STREAM_BWD_SMEM bytes
+# each, dy and y past shared memory read once for the dot product and again, from L2, for
+# dx (planned after the cluster and coop tiers, before the split and looped ones).  H100 80GB HBM3, % of copy, looped / split -> streamed at 100 KB: fp32
+# rows of 1M keys, 4 rows 4.5 / 18.8 -> 45.6, 16 rows 15.0 / 38.8 -> 57.1, 64 rows 46.0 /
+# 53.4 -> 65.8, 256 rows 59.6 / 59.1 -> 69.4; fp32 256 rows of 512K 59.0 / 64.4 -> 80.7;
+# fp16 rows of 1M keys, 16 rows 11.7 / 30.1 -> 51.7, 512 rows 59.3 / 64.3 -> 79.6.  By the
+# cap per CTA, 0 / 64 / 128 / 192 KB: fp32 256x1M 64.6 / 67.7 / 66.1 / 69.2, fp32 256x512K
+# - / 77.8 / 73.8 / 73.4, fp16 512x1M 69.1 / 76.2 / 65.9 / 69.7.  Two streamed steps per
+# iteration (one CTA per SM for its registers) gave fp32 256x1M 71.9 but fp16 512x1M 47.6
+# at 96 KB (68.6 at 192 KB): not kept.  Not yet measured on an H200.
 STREAM_CLUSTER = 16
 STREAM_SMEM = 100 * 1024
 STREAM_MASK_KINDS = ("none", "hide1")
 # Testing knob: shared memory bytes per CTA of a streamed plan forced wherever a streamed
 # kernel exists for the rows the cluster or looped tier would take (None: as measured).
 FORCE_STREAM: int | None = None
+STREAM_BACKWARD = True
+STREAM_BWD_SMEM = 100 * 1024
 
 
 def stream_mask_kinds(dtype: str) -> tuple[str, ...]:
@@ -992,25 +1011,25 @@ def _cluster_plan(
 
 
 def _stream_plan(
-    dtype: str,
-    mask_kind: str,
+    name: str | None,
     rows: int,
     sk: int,
+    item: int,
     aligned_rows: bool,
     vector: bool,
     caps: DeviceCaps,
     slot: int,
     smem_cap: int,
 ) -> LaunchPlan | None:
-    """The streamed cluster forward's plan (STREAM_CLUSTER CTAs a row, `slot` bytes of
-    shared memory a chunk, at most `smem_cap` bytes each, no more than the row needs), or
-    None where the device has no clusters or x and the mask no streamed kernel."""
-    if not caps.clusters or mask_kind not in stream_mask_kinds(dtype):
+    """The plan of streamed cluster kernel `name` (forward or backward; STREAM_CLUSTER CTAs
+    a row, `slot` bytes of shared memory a chunk, at most `smem_cap` bytes each, no more
+    than the row needs), or None where the device has no clusters or there is no such
+    kernel (`name` None)."""
+    if name is None or not caps.clusters:
         return None
     cs = STREAM_CLUSTER
     if rows * cs > MAX_GRID:
         return None
-    item = X_DTYPES[dtype][1]
     chunks = row_chunks(sk, item, aligned_rows)
     # chunks per thread past the registers (the kernel's smx_slice_steps)
     need = CLUSTER_STEP * _ceil_div(max(0, _ceil_div(chunks, cs * BLOCK) - CLUSTER_REG), CLUSTER_STEP)
@@ -1022,7 +1041,7 @@ def _stream_plan(
         f"(read twice, the second time from L2; sm_{caps.cc})"
     )
     return LaunchPlan(
-        kernel_fwd_stream(dtype, mask_kind),
+        name,
         "cluster",
         rows * cs,
         BLOCK,
@@ -1099,8 +1118,9 @@ def plan_forward(
         slot = CHUNK_BYTES + (CHUNK_BYTES // item) * MASK_ITEMSIZE[mask_kind]
         reg = cluster_reg(item, mask_kind)
         name = kernel_fwd_cluster(dtype, mask_kind, reg)
+        stream = kernel_fwd_stream(dtype, mask_kind) if mask_kind in stream_mask_kinds(dtype) else None
         if FORCE_STREAM is not None and not (FORCE_COOP or FORCE_SPLIT):
-            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, slot, FORCE_STREAM)
+            plan = _stream_plan(stream, rows, sk, item, aligned_rows, vector, caps, slot, FORCE_STREAM)
             if plan is not None:
                 return plan
         plan = (
@@ -1115,7 +1135,7 @@ def plan_forward(
             )
             plan = _coop_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
         if plan is None and not (FORCE_COOP or FORCE_SPLIT):
-            plan = _stream_plan(dtype, mask_kind, rows, sk, aligned_rows, vector, caps, slot, STREAM_SMEM)
+            plan = _stream_plan(stream, rows, sk, item, aligned_rows, vector, caps, slot, STREAM_SMEM)
         mi = MASK_ITEMSIZE[mask_kind]
         segs = split_segments(sk, item, aligned_rows, False, mi)
         if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
@@ -1144,14 +1164,22 @@ def plan_backward(
     tier, nch, rpt, t, block, grid, reason = choose_shape(rows, sk, item, True, aligned_rows, whole)
     if tier == "loop" and caps is not None:
         name = kernel_bwd_cluster(dtype, CLUSTER_REG)
+        slot = 2 * CHUNK_BYTES
+        stream = kernel_bwd_stream(dtype)
+        if FORCE_STREAM is not None and not (FORCE_COOP or FORCE_SPLIT):
+            plan = _stream_plan(stream, rows, sk, item, aligned_rows, vector, caps, slot, FORCE_STREAM)
+            if plan is not None:
+                return plan
         plan = (
             None
             if FORCE_COOP or FORCE_SPLIT
-            else _cluster_plan(name, CLUSTER_REG, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps, True)
+            else _cluster_plan(name, CLUSTER_REG, rows, sk, item, aligned_rows, slot, vector, caps, True)
         )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))
-            plan = _coop_plan(names, rows, sk, item, aligned_rows, 2 * CHUNK_BYTES, vector, caps)
+            plan = _coop_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
+        if plan is None and STREAM_BACKWARD and not (FORCE_COOP or FORCE_SPLIT):
+            plan = _stream_plan(stream, rows, sk, item, aligned_rows, vector, caps, slot, STREAM_BWD_SMEM)
         segs = split_segments(sk, item, aligned_rows, True)
         if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
             plan = _split_plan(kernel_bwd_split(dtype), rows, sk, item, aligned_rows, vector, True)

@@ -84,6 +84,13 @@ def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool, big_loses: 
     return r0
 
 
+def _stream_kernel(backward: bool, dtype: str, mk: str) -> str | None:
+    """The streamed cluster kernel the planner gives rows no cluster takes, or None."""
+    if backward:
+        return _plan.kernel_bwd_stream(dtype) if _plan.STREAM_BACKWARD else None
+    return _plan.kernel_fwd_stream(dtype, mk) if mk in _plan.stream_mask_kinds(dtype) else None
+
+
 def _assert_streamed(p, rows, chunks, slot, caps, smem_cap=None):
     """A streamed cluster plan: STREAM_CLUSTER blocks a row, whole steps of shared memory
     within the cap and the device, no more than the row needs, and chunks per thread
@@ -121,9 +128,9 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 if not backward:
                     assert _plan.cluster_reg(ITEM[dtype], mk) == (_plan.CLUSTER_REG if reg_variant else 0), mk
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
-                if want is None and p.kernel == _plan.kernel_fwd_stream(dtype, mk):
-                    _assert_streamed(p, rows, chunks, slot, caps)
-                    assert not backward and mk in _plan.stream_mask_kinds(dtype), (mk, sk, p)
+                if want is None and p.kernel == _stream_kernel(backward, dtype, mk):
+                    cap = _plan.STREAM_BWD_SMEM if backward else None
+                    _assert_streamed(p, rows, chunks, slot, caps, cap)
                     continue
                 if want is None:
                     assert p.tier in ("coop", "loop") and p.cluster == 0, (mk, sk, p)
@@ -205,11 +212,14 @@ def test_cluster_tier_starts_where_the_register_tier_ends(backward):
         ("bfloat16", "hide1", False),
         ("float32", "none", False),
         ("float32", "hide1", False),
+        ("float16", None, True),
+        ("float32", None, True),
     ],
 )
 def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     """The last row length the cluster tier takes and the first it leaves to the loop (to
-    the streamed cluster forward in fp32 without a mask or with a bool mask)."""
+    the streamed cluster forward in fp32 without a mask or with a bool mask, to the
+    streamed cluster backward)."""
     n = 16 // ITEM[dtype]
     slot = _slot(mk or "none", dtype, backward)
     qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
@@ -226,9 +236,9 @@ def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
         _plan_of(backward, 2, longest, dtype, mk or "none", False, H200),
     )  # (one chunk more)
     for q in beyond:
-        if not backward and mk in _plan.stream_mask_kinds(dtype):
-            # fp32 without a mask or with a bool mask: the streamed cluster forward takes the row
-            assert q.kernel == _plan.kernel_fwd_stream(dtype, mk), q
+        stream = _stream_kernel(backward, dtype, mk or "none")
+        if stream is not None:  # a streamed cluster kernel takes the row
+            assert q.kernel == stream, q
         else:
             assert q.tier == after, q
 
@@ -242,18 +252,21 @@ def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
     # 1M keys: 16-bit rows fit (2 MB of x, 1 MB of a bool mask, 4 MB of dy and y over 16
     # blocks, with registers); fp32 rows do not (the coop tier takes them).
     assert _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200).tier == "cluster"
-    # ... but with a mask, and backward, clusters of 16 with over 128 KB per block lose to the loop
+    # ... but with a mask, and backward, clusters of 16 with over 128 KB per block lose: to
+    # the loop (16-bit masked forwards), to the streamed cluster backward
     assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "loop"
-    assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).tier == "loop"
-    assert _plan.plan_backward(64, 262144, "float32", True, True, H200).tier == "cluster"
+    assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).kernel == _stream_kernel(True, "float16", "")
+    assert _plan.plan_backward(64, 262144, "float32", True, True, H200).kernel == _plan.kernel_bwd_cluster(
+        "float32", _plan.CLUSTER_REG
+    )
     # fp32 rows of 1M keys fit no cluster: the forward streams what shared memory does not
-    # hold (without a mask and with a bool mask), the backward takes the loop
+    # hold (without a mask and with a bool mask), and so does the backward
     for mk in ("none", "hide1"):
         assert _plan.plan_forward(64, 2**20, "float32", mk, True, True, H200).kernel == _plan.kernel_fwd_stream(
             "float32", mk
         )
     assert _plan.plan_forward(64, 2**20, "float32", "add_float32", True, True, H200).tier == "loop"
-    assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).tier == "loop"
+    assert _plan.plan_backward(64, 2**20, "float32", True, True, H200).kernel == _stream_kernel(True, "float32", "")
 
 
 STREAM_CASES = [
@@ -286,8 +299,24 @@ def test_streamed_forward_of_rows_no_cluster_holds(rows, sk, mk, aligned):
         assert "stream" not in q.kernel
         if few and _plan.split_pays(rows, _plan.split_segments(sk, 2, aligned, False, 1 if mk != "none" else 0), caps):
             assert q.tier in ("cluster", "split"), q  # a cluster where one holds the row
-    assert "stream" not in _plan.plan_backward(rows, sk, "float32", True, aligned, caps).kernel
     assert "stream" not in _plan.plan_forward(rows, sk, "float32", mk, True, aligned, A100).kernel
+
+
+@pytest.mark.parametrize("rows,sk,mk,aligned", STREAM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_streamed_backward_of_rows_no_cluster_holds(rows, sk, mk, aligned, dtype):
+    """Backward rows no cluster takes (16-bit rows of 1M keys need more than
+    CLUSTER_LOOP_SMEM per block of a cluster of 16) take the streamed cluster backward, few
+    rows as well as many, at most STREAM_BWD_SMEM per block; not on devices without
+    clusters."""
+    if not _plan.STREAM_BACKWARD:
+        pytest.skip("the streamed backward is not planned by default")
+    caps = _plan.DeviceCaps(90, 232448, 132)
+    p = _plan.plan_backward(rows, sk, dtype, True, aligned, caps)
+    assert p.kernel == _plan.kernel_bwd_stream(dtype), p
+    _assert_streamed(p, rows, _plan.row_chunks(sk, ITEM[dtype], aligned), 32, caps, _plan.STREAM_BWD_SMEM)
+    assert "streamed" in p.reason
+    assert "stream" not in _plan.plan_backward(rows, sk, dtype, True, aligned, A100).kernel
 
 
 def test_fp32_bool_rows_a_cluster_of_16_holds_only_in_big_blocks_stream():
@@ -307,8 +336,9 @@ def test_fp32_bool_rows_a_cluster_of_16_holds_only_in_big_blocks_stream():
 
 
 def test_forced_streamed_plans_take_the_knob_s_shared_memory(monkeypatch):
-    """FORCE_STREAM (a test hook) plans the streamed forward for any long fp32 row with at
-    most that much shared memory, down to none; other dtypes and masks keep their tier."""
+    """FORCE_STREAM (a test hook) plans the streamed forward for any long fp32 row and the
+    streamed backward for any long row with at most that much shared memory, down to none;
+    other dtypes and masks of the forward keep their tier."""
     for cap in (0, 16 * 1024, 40 * 1024, 10**9):
         monkeypatch.setattr(_plan, "FORCE_STREAM", cap)
         for sk, aligned in ((16385, True), (70001, False), (262147, False), (2**20, True)):
@@ -317,7 +347,12 @@ def test_forced_streamed_plans_take_the_knob_s_shared_memory(monkeypatch):
                 _assert_streamed(p, 6, _plan.row_chunks(sk, 4, aligned), _slot(mk, "float32", False), H200, cap)
             assert "stream" not in _plan.plan_forward(6, sk, "float16", "none", True, aligned, H200).kernel
             assert "stream" not in _plan.plan_forward(6, sk, "float32", "add_float32", True, aligned, H200).kernel
+            for dtype in DTYPES:
+                p = _plan.plan_backward(6, sk, dtype, True, aligned, H200)
+                assert p.kernel == _plan.kernel_bwd_stream(dtype), p
+                _assert_streamed(p, 6, _plan.row_chunks(sk, ITEM[dtype], aligned), 32, H200, cap)
         assert _plan.plan_forward(6, 4096, "float32", "none", True, True, H200).tier != "cluster"
+        assert _plan.plan_backward(6, 4096, "float32", True, True, H200).tier != "cluster"
 
 
 def test_cluster_grid_beyond_the_launch_limit_takes_another_tier(monkeypatch):
@@ -440,7 +475,9 @@ def test_explain_plans_for_an_architecture():
     assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90").startswith(
         "cluster tier: smx_fwd_cluster_stream<float, MaskNone, 4>"
     )
-    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90", backward=True).startswith("loop tier")
+    assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90", backward=True).startswith(
+        "cluster tier: smx_bwd_cluster_stream<float, 4>" if _plan.STREAM_BACKWARD else "loop tier"
+    )
     assert drvsoftmax.explain((2, 8, 65536), "float16").startswith("loop tier")
     assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")
     with pytest.raises(drvsoftmax.ArgumentValueError, match=r"^arch must be of the form 'sm_XY'"):

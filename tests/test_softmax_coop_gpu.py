@@ -336,9 +336,8 @@ def test_forward_on_a_side_stream_and_in_a_cuda_graph():
 
 def test_fp32_rows_of_1m_keys_on_sm_90(monkeypatch):
     """fp32 rows of 2^20 keys fit no cluster of an H200: by default a cluster streams their
-    forwards, however few; the looped tier takes the backwards of as many as fill the GPU
-    (measured faster than the coop tier), the split tier fewer; forced, the coop tier reads
-    them once, forward and backward."""
+    forwards and their backwards, however few (measured faster than the coop, looped and
+    split tiers); forced, the coop tier reads them once, forward and backward."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs sm_90+ (an H200: no cluster holds these rows there)")
     sk = 2**20
@@ -346,10 +345,13 @@ def test_fp32_rows_of_1m_keys_on_sm_90(monkeypatch):
     many = 4 * _caps().sm_count
     many_fwd = _plan.plan_forward(many, sk, "float32", "none", True, True, _caps())
     assert many_fwd.kernel == _plan.kernel_fwd_stream("float32", "none"), many_fwd  # streamed by a cluster
-    assert _plan.plan_backward(many, sk, "float32", True, True, _caps()).tier == "loop"
+    bwd = _plan.kernel_bwd_stream("float32") if _plan.STREAM_BACKWARD else None
+    many_bwd = _plan.plan_backward(many, sk, "float32", True, True, _caps())
+    assert many_bwd.kernel == (bwd or _plan.kernel_bwd_loop("float32")), many_bwd
     few_fwd = _plan.plan_forward(3, sk, "float32", "none", True, True, _caps())
     assert few_fwd.kernel == _plan.kernel_fwd_stream("float32", "none"), few_fwd
-    assert _plan.plan_backward(3, sk, "float32", True, True, _caps()).tier == "split"
+    few_bwd = _plan.plan_backward(3, sk, "float32", True, True, _caps())
+    assert few_bwd.kernel == (bwd or _plan.kernel_bwd_split("float32")), few_bwd
     monkeypatch.setattr(_plan, "FORCE_COOP", True)
     _forget()
     x = _rand((3, sk), torch.float32)

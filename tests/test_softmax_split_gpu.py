@@ -191,7 +191,7 @@ def test_autograd_and_the_default_plan(monkeypatch):
     """Without the knob, with the tier on (`_plan.SPLIT`): rows the looped tier would take
     run on the split tier, through autograd too (16-bit rows of 1M keys with a bool mask:
     a cluster of 16 would need more than CLUSTER_LOOP_SMEM per block, and 16-bit x has no
-    streamed forward)."""
+    streamed forward; their backward streams where the device has clusters)."""
     monkeypatch.setattr(_plan, "FORCE_SPLIT", False)
     monkeypatch.setattr(_plan, "SPLIT", True)
     _forget()

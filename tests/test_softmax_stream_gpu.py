@@ -1,5 +1,5 @@
-"""The streamed cluster forward (sm_90+) on a GPU against the float64 reference, on fresh
-random inputs.
+"""The streamed cluster forward and backward (sm_90+) on a GPU against the float64
+reference, on fresh random inputs.
 
 Runs alone: `python -m pytest tests/test_softmax_stream_gpu.py`.  Skips cleanly without
 PyTorch, without a CUDA GPU, or on a GPU older than sm_90 (no thread-block clusters).  By
@@ -10,13 +10,14 @@ slice then has chunks in registers, in shared memory and streamed (read in PAIR 
 in STORE), with the row's ends, hidden keys and odd alignments among them.  Every output
 is poisoned with NaN first, so an element no block writes shows up as a NaN the reference
 does not have.  Each case first checks that the launch really is of the streamed kernel.
+The backward streams in every dtype of x: by default rows no cluster takes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches, torch_cuda_available
+from helpers import assert_backward_matches, assert_matches, torch_cuda_available
 from helpers import cuda_device as _dev
 from helpers import operand as _op
 from helpers import to_numpy as _np
@@ -196,4 +197,114 @@ def test_rows_no_cluster_takes_stream_by_default(rows, sk, masks):
         if mask is not None:
             s = s.masked_fill(mask[idx], float("-inf"))
         assert_matches(_np(y[idx]), torch.softmax(s, -1).cpu().numpy(), "float32", f"{sk} keys")
+    _forget()
+
+
+# ---------------------------------------------------------------------------------------
+# The streamed backward: dy and y of a slice in registers, shared memory and streamed.
+
+
+def _bwd_inputs(shape, dtype, gen_scale=3.0):
+    """y a softmax of random scores (some exactly 0 where scores are -inf), dy random."""
+    s = _gen.standard_normal(shape) * gen_scale
+    s[..., ::7] = -np.inf
+    y = np.exp(s - s.max(-1, keepdims=True))
+    y /= y.sum(-1, keepdims=True)
+    dy = _gen.standard_normal(shape)
+    return torch.from_numpy(dy).to(dtype).cuda(), torch.from_numpy(y).to(dtype).cuda()
+
+
+def _bits(t):
+    """The tensor's bytes as integers, so a NaN compares equal to itself."""
+    return t.view({torch.float32: torch.int32}.get(t.dtype, torch.int16))
+
+
+def _check_backward(dy, y, *, scale=0.5, out=None, what="", cap=None):
+    dt = str(y.dtype).replace("torch.", "")
+    ynp, dynp = _np(y), _np(dy)
+    ref = _reference.softmax_backward(dynp, ynp, scale)
+    if out is None:
+        out = torch.full(y.shape, float("nan"), dtype=y.dtype, device="cuda")
+    aligned = not ((dy.data_ptr() | y.data_ptr() | out.data_ptr()) & 15)
+    prep = _core.prepare_backward(_dev(), _op(dy), _op(y), _op(out), scale, aligned)
+    p = prep.plan
+    assert p.kernel == _plan.kernel_bwd_stream(dt), f"{what}: planned {p.describe()}"
+    assert p.cluster == _plan.STREAM_CLUSTER and prep.cluster is not None, f"{what}: {p.describe()}"
+    if cap is not None:
+        assert p.smem <= cap, f"{what}: {p.describe()}"
+    dy_before, y_before = dy.clone(), y.clone()
+    dx = drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=scale, out=out)
+    assert dx is out
+    torch.cuda.synchronize()
+    assert_backward_matches(_np(dx), dynp, ynp, ref, scale, dt, what)
+    if out.data_ptr() not in (dy.data_ptr(), y.data_ptr()):
+        assert torch.equal(_bits(dy), _bits(dy_before)), f"{what}: dy written"
+        assert torch.equal(_bits(y), _bits(y_before)), f"{what}: y written"
+
+
+BWD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", BWD_DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("sk", [16385, 70001, 300007, 2**20 + 5])
+def test_backward_rows(stream, dtype, sk):
+    """Slices whose registers, shared memory and streamed steps end anywhere in the row."""
+    dy, y = _bwd_inputs((3, sk), dtype)
+    _check_backward(dy, y, scale=0.37, what=f"{dtype} Sk={sk}", cap=stream)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda t: str(t).replace("torch.", ""))
+def test_backward_strided_unaligned_and_in_place(stream, dtype):
+    sk = 65537
+    dyb, yb = _bwd_inputs((2, 3, 2 * sk + 8), dtype)
+    views = {
+        "rows off the 16-byte grid": (dyb[..., 1 : 1 + sk], yb[..., 1 : 1 + sk]),
+        "slice": (dyb[:, ::2, 4 : 4 + sk], yb[:, ::2, 4 : 4 + sk]),
+        "last_dim_stride2": (dyb[..., : 2 * sk : 2], yb[..., : 2 * sk : 2]),
+        "expanded dy": (dyb[:1, :1, :sk].expand(2, 3, sk), yb[..., :sk]),
+    }
+    for name, (dy, y) in views.items():
+        _check_backward(dy, y, what=f"{dtype} {name}", cap=stream)
+    dy, y = _bwd_inputs((3, sk), dtype)
+    buf = torch.full((3 * sk + 1,), float("nan"), dtype=dtype, device="cuda")
+    _check_backward(dy, y, out=buf[1:].view(3, sk), what=f"{dtype} misaligned out", cap=stream)
+    # out=dy: every streamed chunk is read again before its own dx is written over it
+    ref_dy, ref_y = dy.clone(), y.clone()
+    _check_backward(dy, y, out=dy, what=f"{dtype} out=dy", cap=stream)
+    assert torch.equal(y, ref_y) and not torch.equal(dy, ref_dy)
+
+
+def test_backward_nonfinite_rows(stream):
+    sk = 40000
+    dy, y = _bwd_inputs((4, sk), torch.float32)
+    dy[0, sk // 2 + 3] = float("nan")  # a NaN in a streamed step: NaN where y != 0
+    dy[1, sk - 1] = float("inf")
+    y[2, :] = 0  # a fully hidden row: zeros
+    _check_backward(dy, y, what="nonfinite", cap=stream)
+
+
+@pytest.mark.parametrize("rows,dtype", [("many", torch.float32), (3, torch.float32), (5, torch.float16)])
+def test_backward_rows_no_cluster_takes_stream_by_default(rows, dtype):
+    """Without the hook: backward rows the cluster tier does not take stream (rows of 1M
+    keys: no cluster holds fp32 ones, 16-bit ones only in blocks of more than
+    CLUSTER_LOOP_SMEM), as many as fill the device and as few as 3.  A sample of rows
+    against float64."""
+    _forget()
+    if rows == "many":
+        rows = int(_dev().caps.sm_count * _plan.SPLIT_ROWS_PER_SM) + 2
+    sk = 2**20
+    dt = str(dtype).replace("torch.", "")
+    y = torch.softmax(torch.randn((rows, sk), device="cuda") * 3, -1).to(dtype)
+    dy = torch.randn((rows, sk), device="cuda").to(dtype)
+    dx = torch.full_like(y, float("nan"))
+    prep = _core.prepare_backward(_dev(), _op(dy), _op(y), _op(dx), 0.5, True)
+    want = _plan.kernel_bwd_stream(dt) if _plan.STREAM_BACKWARD else None
+    assert want is None or prep.plan.kernel == want, prep.plan.describe()
+    drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.5, out=dx)
+    torch.cuda.synchronize()
+    assert not torch.isnan(dx).any(), "an element was not written"
+    idx = torch.tensor(sorted({0, 1, rows // 2, rows - 1}), device="cuda")
+    dynp, ynp = _np(dy[idx]), _np(y[idx])
+    ref = _reference.softmax_backward(dynp, ynp, 0.5)
+    assert_backward_matches(_np(dx[idx]), dynp, ynp, ref, 0.5, dt, f"{rows}x{sk} {dt}")
     _forget()
