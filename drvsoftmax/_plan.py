@@ -454,24 +454,24 @@ CLUSTER_REG = 4
 # masks of fp32 x (not measured).
 #
 # The streamed cluster backward (smx_bwd_cluster_stream), every dtype: rows no cluster
-# holds, however few, in clusters of STREAM_CLUSTER CTAs of up to STREAM_BWD_SMEM bytes
-# each, dy and y past shared memory read once for the dot product and again, from L2, for
-# dx (planned after the cluster and coop tiers, before the split and looped ones).  H100 80GB HBM3, % of copy, looped / split -> streamed at 100 KB: fp32
-# rows of 1M keys, 4 rows 4.5 / 18.8 -> 45.6, 16 rows 15.0 / 38.8 -> 57.1, 64 rows 46.0 /
-# 53.4 -> 65.8, 256 rows 59.6 / 59.1 -> 69.4; fp32 256 rows of 512K 59.0 / 64.4 -> 80.7;
-# fp16 rows of 1M keys, 16 rows 11.7 / 30.1 -> 51.7, 512 rows 59.3 / 64.3 -> 79.6.  By the
-# cap per CTA, 0 / 64 / 128 / 192 KB: fp32 256x1M 64.6 / 67.7 / 66.1 / 69.2, fp32 256x512K
-# - / 77.8 / 73.8 / 73.4, fp16 512x1M 69.1 / 76.2 / 65.9 / 69.7.  Two streamed steps per
-# iteration (one CTA per SM for its registers) gave fp32 256x1M 71.9 but fp16 512x1M 47.6
-# at 96 KB (68.6 at 192 KB): not kept.  Not yet measured on an H200.
+# holds, however few, in clusters of STREAM_CLUSTER CTAs of up to STREAM_SMEM bytes each,
+# dy and y past shared memory read once for the dot product and again, from L2, for dx
+# (planned after the cluster and coop tiers, before the split and looped ones).  H100 80GB
+# HBM3, % of copy, looped / split -> streamed at 100 KB: fp32 rows of 1M keys, 4 rows 4.5 /
+# 18.8 -> 45.6, 16 rows 15.0 / 38.8 -> 57.1, 64 rows 46.0 / 53.4 -> 65.8, 256 rows 59.6 /
+# 59.1 -> 69.4; fp32 256 rows of 512K 59.0 / 64.4 -> 80.7; fp16 rows of 1M keys, 16 rows
+# 11.7 / 30.1 -> 51.7, 512 rows 59.3 / 64.3 -> 79.6.  By the cap per CTA, 0 / 64 / 128 /
+# 192 KB: fp32 256x1M 64.6 / 67.7 / 66.1 / 69.2, fp32 256x512K - / 77.8 / 73.8 / 73.4,
+# fp16 512x1M 69.1 / 76.2 / 65.9 / 69.7.  Two streamed steps per iteration (one CTA per SM
+# for its registers) gave fp32 256x1M 71.9 but fp16 512x1M 47.6 at 96 KB (68.6 at 192 KB):
+# not kept.  In the benchmark (H100, df0fe9b), fp32 / fp16 rows of 1M keys 69.0 / 79.0,
+# the looped tier 59.9-61.0 before.  Not yet measured on an H200.
 STREAM_CLUSTER = 16
 STREAM_SMEM = 100 * 1024
 STREAM_MASK_KINDS = ("none", "hide1")
 # Testing knob: shared memory bytes per CTA of a streamed plan forced wherever a streamed
 # kernel exists for the rows the cluster or looped tier would take (None: as measured).
 FORCE_STREAM: int | None = None
-STREAM_BACKWARD = True
-STREAM_BWD_SMEM = 100 * 1024
 
 
 def stream_mask_kinds(dtype: str) -> tuple[str, ...]:
@@ -1178,8 +1178,8 @@ def plan_backward(
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (kernel_bwd_coop(dtype), kernel_bwd_coop(dtype, CLUSTER_REG))
             plan = _coop_plan(names, rows, sk, item, aligned_rows, slot, vector, caps)
-        if plan is None and STREAM_BACKWARD and not (FORCE_COOP or FORCE_SPLIT):
-            plan = _stream_plan(stream, rows, sk, item, aligned_rows, vector, caps, slot, STREAM_BWD_SMEM)
+        if plan is None and not (FORCE_COOP or FORCE_SPLIT):
+            plan = _stream_plan(stream, rows, sk, item, aligned_rows, vector, caps, slot, STREAM_SMEM)
         segs = split_segments(sk, item, aligned_rows, True)
         if plan is None and caps.cc >= SPLIT_MIN_CC and (FORCE_SPLIT or (SPLIT and split_pays(rows, segs, caps))):
             plan = _split_plan(kernel_bwd_split(dtype), rows, sk, item, aligned_rows, vector, True)

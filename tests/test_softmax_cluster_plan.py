@@ -87,7 +87,7 @@ def _expected_shape(chunks: int, slot: int, caps, reg_variant: bool, big_loses: 
 def _stream_kernel(backward: bool, dtype: str, mk: str) -> str | None:
     """The streamed cluster kernel the planner gives rows no cluster takes, or None."""
     if backward:
-        return _plan.kernel_bwd_stream(dtype) if _plan.STREAM_BACKWARD else None
+        return _plan.kernel_bwd_stream(dtype)
     return _plan.kernel_fwd_stream(dtype, mk) if mk in _plan.stream_mask_kinds(dtype) else None
 
 
@@ -129,8 +129,7 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                     assert _plan.cluster_reg(ITEM[dtype], mk) == (_plan.CLUSTER_REG if reg_variant else 0), mk
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
                 if want is None and p.kernel == _stream_kernel(backward, dtype, mk):
-                    cap = _plan.STREAM_BWD_SMEM if backward else None
-                    _assert_streamed(p, rows, chunks, slot, caps, cap)
+                    _assert_streamed(p, rows, chunks, slot, caps, _plan.STREAM_SMEM if backward else None)
                     continue
                 if want is None:
                     assert p.tier in ("coop", "loop") and p.cluster == 0, (mk, sk, p)
@@ -307,14 +306,12 @@ def test_streamed_forward_of_rows_no_cluster_holds(rows, sk, mk, aligned):
 def test_streamed_backward_of_rows_no_cluster_holds(rows, sk, mk, aligned, dtype):
     """Backward rows no cluster takes (16-bit rows of 1M keys need more than
     CLUSTER_LOOP_SMEM per block of a cluster of 16) take the streamed cluster backward, few
-    rows as well as many, at most STREAM_BWD_SMEM per block; not on devices without
+    rows as well as many, at most STREAM_SMEM per block; not on devices without
     clusters."""
-    if not _plan.STREAM_BACKWARD:
-        pytest.skip("the streamed backward is not planned by default")
     caps = _plan.DeviceCaps(90, 232448, 132)
     p = _plan.plan_backward(rows, sk, dtype, True, aligned, caps)
     assert p.kernel == _plan.kernel_bwd_stream(dtype), p
-    _assert_streamed(p, rows, _plan.row_chunks(sk, ITEM[dtype], aligned), 32, caps, _plan.STREAM_BWD_SMEM)
+    _assert_streamed(p, rows, _plan.row_chunks(sk, ITEM[dtype], aligned), 32, caps, _plan.STREAM_SMEM)
     assert "streamed" in p.reason
     assert "stream" not in _plan.plan_backward(rows, sk, dtype, True, aligned, A100).kernel
 
@@ -476,7 +473,7 @@ def test_explain_plans_for_an_architecture():
         "cluster tier: smx_fwd_cluster_stream<float, MaskNone, 4>"
     )
     assert drvsoftmax.explain((2, 2**20), "float32", arch="sm_90", backward=True).startswith(
-        "cluster tier: smx_bwd_cluster_stream<float, 4>" if _plan.STREAM_BACKWARD else "loop tier"
+        "cluster tier: smx_bwd_cluster_stream<float, 4>"
     )
     assert drvsoftmax.explain((2, 8, 65536), "float16").startswith("loop tier")
     assert drvsoftmax.explain((2, 128), "float16", arch="sm_90") == drvsoftmax.explain((2, 128), "float16")

@@ -345,13 +345,12 @@ def test_fp32_rows_of_1m_keys_on_sm_90(monkeypatch):
     many = 4 * _caps().sm_count
     many_fwd = _plan.plan_forward(many, sk, "float32", "none", True, True, _caps())
     assert many_fwd.kernel == _plan.kernel_fwd_stream("float32", "none"), many_fwd  # streamed by a cluster
-    bwd = _plan.kernel_bwd_stream("float32") if _plan.STREAM_BACKWARD else None
     many_bwd = _plan.plan_backward(many, sk, "float32", True, True, _caps())
-    assert many_bwd.kernel == (bwd or _plan.kernel_bwd_loop("float32")), many_bwd
+    assert many_bwd.kernel == _plan.kernel_bwd_stream("float32"), many_bwd  # streamed too
     few_fwd = _plan.plan_forward(3, sk, "float32", "none", True, True, _caps())
     assert few_fwd.kernel == _plan.kernel_fwd_stream("float32", "none"), few_fwd
     few_bwd = _plan.plan_backward(3, sk, "float32", True, True, _caps())
-    assert few_bwd.kernel == (bwd or _plan.kernel_bwd_split("float32")), few_bwd
+    assert few_bwd.kernel == _plan.kernel_bwd_stream("float32"), few_bwd
     monkeypatch.setattr(_plan, "FORCE_COOP", True)
     _forget()
     x = _rand((3, sk), torch.float32)

@@ -52,9 +52,7 @@ def test_default_policy_keeps_the_looped_tier(caps):
         p = _plan.plan_forward(8, 2**20, "float32", "none", True, True, caps)
         assert p.kernel == _plan.kernel_fwd_stream("float32", "none"), p
         q = _plan.plan_backward(8, 2**20, "float32", True, True, caps)
-        assert q.kernel == (
-            _plan.kernel_bwd_stream("float32") if _plan.STREAM_BACKWARD else _plan.kernel_bwd_loop("float32")
-        )
+        assert q.kernel == _plan.kernel_bwd_stream("float32"), q
 
 
 _slot = chunk_slot_bytes

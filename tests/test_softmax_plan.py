@@ -305,7 +305,7 @@ def test_every_kernel_name_is_reachable(monkeypatch):
             _plan.plan_forward(4096, 2**20, "float32", mk, True, True, _plan.DeviceCaps(90, 232448, 132)).kernel
         )
     # (the streamed cluster backward, of every dtype: under the hook)
-    monkeypatch.setattr(_plan, "FORCE_STREAM", _plan.STREAM_BWD_SMEM)
+    monkeypatch.setattr(_plan, "FORCE_STREAM", _plan.STREAM_SMEM)
     for dtype in DTYPES:
         reached.add(_plan.plan_backward(64, 2**20, dtype, True, True, H200).kernel)
     monkeypatch.setattr(_plan, "FORCE_STREAM", None)

@@ -298,8 +298,7 @@ def test_backward_rows_no_cluster_takes_stream_by_default(rows, dtype):
     dy = torch.randn((rows, sk), device="cuda").to(dtype)
     dx = torch.full_like(y, float("nan"))
     prep = _core.prepare_backward(_dev(), _op(dy), _op(y), _op(dx), 0.5, True)
-    want = _plan.kernel_bwd_stream(dt) if _plan.STREAM_BACKWARD else None
-    assert want is None or prep.plan.kernel == want, prep.plan.describe()
+    assert prep.plan.kernel == _plan.kernel_bwd_stream(dt), prep.plan.describe()
     drvsoftmax.scaled_masked_softmax_backward(dy, y, scale=0.5, out=dx)
     torch.cuda.synchronize()
     assert not torch.isnan(dx).any(), "an element was not written"
