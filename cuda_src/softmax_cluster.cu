@@ -772,23 +772,23 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   xc.finish();
 }
 
-// K streamed chunks of dy and y per thread at chunk c0, c0 + SMX_CBLOCK, ...: their dot
-// product added to `dot`, or dx stored.
-template <typename T, int K>
+// One streamed step: SMX_CL_U chunks of dy and y per thread at chunk c0, c0 + SMX_CBLOCK,
+// ... read from global memory, their dot product added to `dot`, or dx stored.
+template <typename T>
 __device__ __forceinline__ void smx_bwd_stream_dot(float& dot, const BwdRow<T> (&rw)[1], int c0,
                                                    const SmxBwdParams& p, const T* dy, const T* y) {
-  Chunk<T> cd[1][K], cy[1][K];
+  Chunk<T> cd[1][SMX_CL_U], cy[1][SMX_CL_U];
   float t[1];
-  smx_bwd_load<T, K, 1, false>(cd, cy, rw, c0, SMX_CBLOCK, p, dy, y);
-  smx_bwd_dot<T, K, 1, false>(t, cd, cy, rw, c0, SMX_CBLOCK, p.sk);
+  smx_bwd_load<T, SMX_CL_U, 1, false>(cd, cy, rw, c0, SMX_CBLOCK, p, dy, y);
+  smx_bwd_dot<T, SMX_CL_U, 1, false>(t, cd, cy, rw, c0, SMX_CBLOCK, p.sk);
   dot += t[0];
 }
-template <typename T, int K>
+template <typename T>
 __device__ __forceinline__ void smx_bwd_stream_store(const float (&dots)[1], const BwdRow<T> (&rw)[1], int c0,
                                                      const SmxBwdParams& p, const T* dy, const T* y) {
-  Chunk<T> cd[1][K], cy[1][K];
-  smx_bwd_load<T, K, 1, false>(cd, cy, rw, c0, SMX_CBLOCK, p, dy, y);
-  smx_bwd_store<T, K, 1, false>(cd, cy, dots, rw, c0, SMX_CBLOCK, p);
+  Chunk<T> cd[1][SMX_CL_U], cy[1][SMX_CL_U];
+  smx_bwd_load<T, SMX_CL_U, 1, false>(cd, cy, rw, c0, SMX_CBLOCK, p, dy, y);
+  smx_bwd_store<T, SMX_CL_U, 1, false>(cd, cy, dots, rw, c0, SMX_CBLOCK, p);
 }
 
 // The backward's slice: as the forward's, dy and y in place of x and the mask; STREAM as
@@ -865,7 +865,8 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
   }
   // STREAM: the steps past shared memory, loaded into registers.
 #pragma unroll 1
-  for (int qs = q_smem; STREAM && qs < q_count; qs += U) smx_bwd_stream_dot<T, U>(dot, rw, cq + qs * SMX_CBLOCK + tid, p, dy, y);
+  for (int qs = q_smem; STREAM && qs < q_count; qs += U)
+    smx_bwd_stream_dot<T>(dot, rw, cq + qs * SMX_CBLOCK + tid, p, dy, y);
   dot = smx_warp_sum(dot);
   const int warp = tid >> 5;
   if ((tid & 31) == 0) red[warp] = dot;
@@ -887,7 +888,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
   const int lo = rw[0].act ? q_smem : q_count;
 #pragma unroll 1
   for (int qs = q_count - U; STREAM && qs >= lo; qs -= U)
-    smx_bwd_stream_store<T, U>(dots, rw, cq + qs * SMX_CBLOCK + tid, p, dy, y);
+    smx_bwd_stream_store<T>(dots, rw, cq + qs * SMX_CBLOCK + tid, p, dy, y);
   if (R > 0) smx_bwd_store<T, RR, 1, false>(cdr, cyr, dots, rw, cb + tid, SMX_CBLOCK, p);
   for (int q0 = 0; q0 < (rw[0].act ? q_smem : 0); q0 += U) {
     Chunk<T> cd[1][U], cy[1][U];
