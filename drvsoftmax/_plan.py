@@ -466,6 +466,13 @@ CLUSTER_REG = 4
 # for its registers) gave fp32 256x1M 71.9 but fp16 512x1M 47.6 at 96 KB (68.6 at 192 KB):
 # not kept.  In the benchmark (H100, df0fe9b), fp32 / fp16 rows of 1M keys 69.0 / 79.0,
 # the looped tier 59.9-61.0 before.  Not yet measured on an H200.
+# Tried and not kept: STORE taking the steps in shared memory first and refilling each
+# stored step by cp.async with the next streamed one (the last read first), so that the
+# second reads are in flight while the stores go on, and the forward's PAIR reading the
+# streamed steps before the copies into shared memory land (H100, 100 KB per CTA, the two
+# kernels one after the other on the same machine, ms): fp32 forward 256x1M 0.9672 -> 0.9762, with a bool mask 1.0469 ->
+# 1.0311, backward fp32 256x1M 1.5547 -> 1.6356, fp16 512x1M 1.3546 -> 1.3956.  The second
+# reads come after the stores of the held steps, and less of the row is still in L2 then.
 STREAM_CLUSTER = 16
 STREAM_SMEM = 100 * 1024
 STREAM_MASK_KINDS = ("none", "hide1")
