@@ -470,9 +470,10 @@ CLUSTER_REG = 4
 # stored step by cp.async with the next streamed one (the last read first), so that the
 # second reads are in flight while the stores go on, and the forward's PAIR reading the
 # streamed steps before the copies into shared memory land (H100, 100 KB per CTA, the two
-# kernels one after the other on the same machine, ms): fp32 forward 256x1M 0.9672 -> 0.9762, with a bool mask 1.0469 ->
-# 1.0311, backward fp32 256x1M 1.5547 -> 1.6356, fp16 512x1M 1.3546 -> 1.3956.  The second
-# reads come after the stores of the held steps, and less of the row is still in L2 then.
+# kernels one after the other on the same machine, ms): fp32 forward 256x1M 0.9672 ->
+# 0.9762, with a bool mask 1.0469 -> 1.0311, backward fp32 256x1M 1.5547 -> 1.6356, fp16
+# 512x1M 1.3546 -> 1.3956.  The second reads come after the stores of the held steps, and
+# less of the row is still in L2 then.
 STREAM_CLUSTER = 16
 STREAM_SMEM = 100 * 1024
 STREAM_MASK_KINDS = ("none", "hide1")
