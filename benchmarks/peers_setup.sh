@@ -3,9 +3,10 @@
 #
 #   bash benchmarks/peers_setup.sh          (repository root; run once per carried group)
 #
-# What it takes: the folder .peers/ of the repository root, carried in groups .peers/c1,
-# .peers/c2, ... (one group per call is fine: everything is staged under $PEERS and every step
-# runs as soon as its pieces are there).  A group may hold
+# What it takes: the folder .peers/ of the repository root (benchmarks/peers_pack.py packs it
+# where a package index is), carried in groups .peers/c1, .peers/c2, ... (one group per call
+# is fine: everything is staged under $PEERS and every step runs as soon as its pieces are
+# there).  A group may hold
 #   whl/*.whl             wheels (quack-kernels, nvidia-cutlass-dsl*, apache-tvm-ffi,
 #                         torch-c-dlpack-ext, liger-kernel)
 #   parts/NAME.part-NN    pieces of NAME (an xz tarball of one wheel too big for one group),

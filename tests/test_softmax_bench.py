@@ -581,3 +581,139 @@ def test_cold_start_children_refuse_a_package_imported_from_elsewhere(monkeypatc
     monkeypatch.setattr(runner, "COLD_CHILD", probe)
     with pytest.raises(RuntimeError, match="not from the copy"):
         runner._cold_children()
+
+
+# ----------------------------------------------------------------------------------
+# The peers' packing (benchmarks/peers_pack.py) and their setup on the GPU machine
+# (benchmarks/peers_setup.sh), with small fake wheels: the groups a call carries, then the
+# setup staging them call by call, joining the split wheel and installing every group.
+
+# The wheels peers_setup.sh installs, by the names it looks for.
+_PEER_WHEELS = (
+    "liger_kernel",
+    "quack_kernels",
+    "apache_tvm_ffi",
+    "torch_c_dlpack_ext",
+    "nvidia_cutlass_dsl",
+    "nvidia_cutlass_dsl_libs_core",
+    "nvidia_cutlass_dsl_libs_base",
+    "nvidia_cutlass_dsl_libs_cu13",
+)
+
+
+def _fake_wheel(folder: Path, dist: str, payload: bytes) -> Path:
+    """An installable wheel of `dist` 0.1 with one module `fake_<dist>` holding `payload`."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{dist}-0.1.dist-info"
+    files = {
+        f"fake_{dist}/__init__.py": b"",
+        f"fake_{dist}/blob.bin": payload,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
+        for name, data in files.items()
+    ]
+    files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
+    path = folder / f"{dist}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+def _fake_apex(root: Path) -> Path:
+    for rel in (
+        "csrc/megatron/scaled_softmax.cpp",
+        "csrc/megatron/scaled_softmax_cuda.cu",
+        "csrc/type_shim.h",
+        "LICENSE",
+    ):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(f"// {rel}\n")
+    (root / "csrc/megatron/fused_dense.cpp").write_text("// not a softmax source\n")
+    return root
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_peers_pack_groups_and_setup_joins_and_installs(tmp_path):
+    import peers_pack
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    rng = random.Random(7)
+    big = rng.randbytes(1_500_000)  # incompressible: split over groups of 1 MB
+    for dist in _PEER_WHEELS:
+        _fake_wheel(wheels, dist, big if dist.endswith("cu13") else dist.encode() * 1000)
+    repo = tmp_path / "repo"  # the setup reads .peers/ beside its benchmarks/ folder
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy2(BENCH / "peers_setup.sh", repo / "benchmarks")
+    out = repo / ".peers"
+    args = ["--wheels", str(wheels), "--apex", str(_fake_apex(tmp_path / "apex")), "--out", str(out)]
+    assert peers_pack.main([*args, "--group-mb", "1"]) == 0
+
+    groups = sorted(p for p in out.iterdir() if p.is_dir())
+    assert [g.name for g in groups] == ["c1", "c2"]
+    for g in groups:
+        assert sum(p.stat().st_size for p in g.rglob("*") if p.is_file()) <= 1_000_000
+    # The small wheels and apex's softmax sources (nothing else of apex) in the first group,
+    # the split wheel's parts filling the room left, each group with the split's sums.
+    c1, c2 = groups
+    assert sorted(p.name for p in (c1 / "whl").iterdir()) == sorted(
+        f"{d}-0.1-py3-none-any.whl" for d in _PEER_WHEELS if not d.endswith("cu13")
+    )
+    assert sorted(p.name for p in (c1 / "apex_megatron").iterdir()) == [
+        "LICENSE",
+        "scaled_softmax.cpp",
+        "scaled_softmax_cuda.cu",
+        "type_shim.h",
+    ]
+    name = "nvidia_cutlass_dsl_libs_cu13"
+    parts = sorted(p.name for g in groups for p in (g / "parts").glob(f"{name}.tar.xz.part-*"))
+    assert parts == [f"{name}.tar.xz.part-00", f"{name}.tar.xz.part-01"]
+    sums = (c1 / "parts" / f"{name}.sha256").read_text()
+    assert sums == (c2 / "parts" / f"{name}.sha256").read_text()
+    assert sums.splitlines()[0] == "parts 2"
+    assert (
+        "c1 (" in (out / "README.txt").read_text()
+        and f"parts/{name}.tar.xz.part-01" in (out / "README.txt").read_text()
+    )
+
+    def setup() -> subprocess.CompletedProcess:
+        env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "DRVSOFTMAX_PEERS": str(tmp_path / "peers")}
+        env["PYTHON"] = sys.executable
+        env["HOME"] = str(tmp_path)
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the builds stop here even on a GPU machine
+        return subprocess.run(
+            ["bash", str(repo / "benchmarks" / "peers_setup.sh")], capture_output=True, text=True, env=env, timeout=300
+        )
+
+    # Call 1 carries c1: its wheels install, the split wheel waits for its other part.
+    shutil.move(str(c2), tmp_path / "c2")
+    r = setup()
+    assert f"{name}: 1 of 2 parts here" in r.stdout, r.stdout + r.stderr
+    assert "installed liger (1 wheels)" in r.stdout, r.stdout + r.stderr
+    assert "quack: waiting for" in r.stdout
+    # Call 2 carries c2 alone (what call 1 staged stays): joined, checked, installed.
+    shutil.rmtree(c1)
+    shutil.move(str(tmp_path / "c2"), c2)
+    r = setup()
+    assert f"joined {name} -> {name}-0.1-py3-none-any.whl" in r.stdout, r.stdout + r.stderr
+    assert "installed quack (7 wheels)" in r.stdout, r.stdout + r.stderr
+    peers = tmp_path / "peers"
+    assert (peers / f"fake_{name}" / "blob.bin").read_bytes() == big
+    assert all((peers / f"fake_{d}" / "__init__.py").is_file() for d in _PEER_WHEELS)
+    # Without a GPU (none visible) the setup stops before the builds, saying so.
+    assert r.returncode == 1 and "torch sees no GPU" in r.stdout
+
+
+def test_peers_pack_refuses_a_group_below_1_mb(capsys):
+    import peers_pack
+
+    with pytest.raises(SystemExit):
+        peers_pack.main(["--group-mb", "0.5", "--no-apex"])
+    assert "--group-mb: expected at least 1 MB a group; got 0.50" in capsys.readouterr().err
