@@ -20,8 +20,8 @@ names a checkout).  It fills the ignored folder `.peers/` with the groups that
    what a call carries, 64 MiB, less the checkout's tracked files, `drvsoftmax/_prebuilt` and
    2 MiB), largest first, and a `README.txt` saying which group holds what.
 
-It replaces `.peers/` (or `--out`) whole.  The exit status is 1 when a download, the apex
-checkout or a group's size fails, 2 on a bad option.
+It replaces `.peers/` (or `--out`) whole.  The exit status is 1 when a download or the apex
+sources fail, 2 on a bad option.
 """
 
 from __future__ import annotations
