@@ -131,7 +131,7 @@ def download(dest: Path) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
-def apex_sources(apex: Path | None, dest: Path, work: Path) -> list[Path]:
+def apex_sources(apex: Path | None, dest: Path, work: Path) -> None:
     """apex's megatron softmax sources, type_shim.h and LICENSE copied flat into `dest`."""
     if apex is None:
         apex = work / "apex"
@@ -142,7 +142,6 @@ def apex_sources(apex: Path | None, dest: Path, work: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     for f in [*found, *(apex / p for p in APEX_FILES)]:
         shutil.copy2(f, dest / f.name)
-    return sorted(dest.iterdir())
 
 
 def pack(wheels: list[Path], apex_dir: Path | None, out: Path, group_bytes: int, work: Path) -> dict[str, list[str]]:
@@ -172,7 +171,7 @@ def pack(wheels: list[Path], apex_dir: Path | None, out: Path, group_bytes: int,
             groups.append([item])
         else:
             held.append(item)
-    sums: dict[str, Path] = {}  # split name -> its sha256 file
+    sums: dict[str, Path] = {}  # part (its place in a group) -> its split's sha256 file
     for w in big:
         name = w.name.split("-")[0]
         flat = work / "stored" / w.name
@@ -192,14 +191,14 @@ def pack(wheels: list[Path], apex_dir: Path | None, out: Path, group_bytes: int,
             k += 1
         for part, home in zip(split_file(tarball, sizes, flat), homes):
             home.append((part.stat().st_size, part, f"parts/{part.name}"))
-        sums[name] = tarball.with_name(f"{name}.sha256")
+            sums[f"parts/{part.name}"] = tarball.with_name(f"{name}.sha256")
     if out.exists():
         shutil.rmtree(out)
     listing: dict[str, list[str]] = {}
     for k, held in enumerate(groups, 1):
         g = out / f"c{k}"
-        split_names = sorted({rel[6:].split(".tar.xz.part-")[0] for _, _, rel in held if rel.startswith("parts/")})
-        files = [(src, rel) for _, src, rel in held] + [(sums[n], f"parts/{n}.sha256") for n in split_names]
+        split_sums = sorted({sums[rel] for _, _, rel in held if rel in sums})
+        files = [(src, rel) for _, src, rel in held] + [(f, f"parts/{f.name}") for f in split_sums]
         for src, rel in files:
             (g / rel).parent.mkdir(parents=True, exist_ok=True)
             if src.is_dir():
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-apex", action="store_true", help="leave apex's sources out")
     ap.add_argument("--group-mb", type=float, help="most MB (10^6 bytes) a group holds (default: as a call carries)")
     args = ap.parse_args(argv)
-    group_bytes = int(args.group_mb * MB) if args.group_mb else default_group_bytes(REPO)
+    group_bytes = int(args.group_mb * MB) if args.group_mb is not None else default_group_bytes(REPO)
     if group_bytes < MB:
         ap.error(f"--group-mb: expected at least 1 MB a group; got {group_bytes / MB:.2f}")
     with tempfile.TemporaryDirectory(prefix="peers_pack.") as tmp:

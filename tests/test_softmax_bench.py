@@ -717,3 +717,6 @@ def test_peers_pack_refuses_a_group_below_1_mb(capsys):
     with pytest.raises(SystemExit):
         peers_pack.main(["--group-mb", "0.5", "--no-apex"])
     assert "--group-mb: expected at least 1 MB a group; got 0.50" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        peers_pack.main(["--group-mb", "0", "--no-apex"])
+    assert "--group-mb: expected at least 1 MB a group; got 0.00" in capsys.readouterr().err
