@@ -474,6 +474,22 @@ CLUSTER_REG = 4
 # 0.9762, with a bool mask 1.0469 -> 1.0311, backward fp32 256x1M 1.5547 -> 1.6356, fp16
 # 512x1M 1.3546 -> 1.3956.  The second reads come after the stores of the held steps, and
 # less of the row is still in L2 then.
+# Also tried and not kept: L2 eviction hints, so that more of the streamed steps stay in L2
+# for their second read (H100 80GB HBM3, e990501's kernels, % of copy; in each of two runs
+# every variant built and timed in that run, best of three rounds of 15-launch medians;
+# rounds of one kernel vary by up to 1.7).  First run, base / evict_first on the held
+# copies (cp.async) of every cluster kernel with `.cs` stores everywhere (SMX_ST_HINT):
+# fp32 forward 256x1M 73.7 / 75.2, with a bool mask 68.0 / 69.5, fp32 backward 256x1M 68.4
+# / 68.8, fp16 backward 512x1M 78.7 / 81.5, fp16 forward 8192x64K 96.4 / 94.1; with both
+# hints, STREAM_SMEM of 64 / 160 KB: 71.8 / 67.7, 67.1 / 58.0, 67.1 / 67.9, 77.0 / 68.1;
+# 16-bit x with a bool mask streamed in place of the looped tier, fp16 512x1M: 59.9 against
+# 60.6.  Second run, base / evict_first alone / `.cs` alone / evict_first on the held
+# copies of the streamed kernels alone: fp32 forward 256x1M 73.3 / 74.4 / 73.7 / 74.7, with
+# a bool mask 67.9 / 68.6 / 68.5 / 69.3, fp32 backward 256x1M 69.1 / 69.6 / 68.4 / 68.5,
+# fp16 backward 512x1M 79.0 / 80.6 / 78.2 / 79.9, and rows held on chip: fp16 forward
+# 8192x64K 96.3 / 93.6 / 95.5 / 95.4, fp32 forward 1024x256K 94.8 / 93.0 / 94.7 / 94.0,
+# fp16 backward 4096x64K 92.2 / 89.4 / 93.6 / 91.0.  At most 2-3% on the streamed rows, far
+# from their 90% target, for as much lost on rows at or near theirs.
 STREAM_CLUSTER = 16
 STREAM_SMEM = 100 * 1024
 STREAM_MASK_KINDS = ("none", "hide1")
