@@ -67,6 +67,54 @@ def cuda_torch():
     return torch
 
 
+def cluster_torch():
+    """torch where it sees a CUDA GPU of sm_90 or newer (thread-block clusters), else None
+    (and a line on stderr saying what is missing)."""
+    torch = cuda_torch()
+    if torch is not None and torch.cuda.get_device_capability() < (9, 0):
+        print("needs a GPU of sm_90 or newer (thread-block clusters)", file=sys.stderr)
+        return None
+    return torch
+
+
+def kernel_regs(prep) -> int:
+    """Registers per thread of a prepared launch's kernel."""
+    from cuda.bindings import driver as drv
+
+    from drvsoftmax import _driver
+
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+    return _driver.check(drv.cuFuncGetAttribute(attr, prep.func), "cuFuncGetAttribute")
+
+
+def report_runs(torch, runs: list, ref, tol: float, nbytes: float, ceil: float, reps: int, versus: str) -> int:
+    """Times each of `runs` ((label, prepared launch, output, call)) in three alternating
+    rounds of `reps`-call medians, checks each output against `ref` to within `tol`
+    (`versus` names `ref`), and prints per label its % of copy in each round (`nbytes`
+    moved, a copy of `ceil` GB/s), its best time, tier, cluster size and shared memory (or
+    grid), registers, largest difference and kernel.  Returns 1 where an output disagreed
+    (or holds a NaN the reference does not), else 0."""
+    times: dict[str, list[float]] = {label: [] for label, *_ in runs}
+    for _ in range(3):
+        for label, _, _, run in runs:
+            times[label].append(_median_ms(torch, run, reps))
+    width = max(len(label) for label, *_ in runs)
+    status = 0
+    for label, prep, y, _ in runs:
+        diff = (y.float() - ref).abs().max().item()
+        if not diff <= tol:  # (NaN: an element left unwritten)
+            print(f"   {label}: max |difference| {diff:.3g} from {versus} (tolerance {tol:.3g})")
+            status = 1
+        p = prep.plan
+        shape = f"cluster {p.cluster}, {p.smem // 1024} KB" if p.cluster else f"grid {p.grid}"
+        print(
+            f"   {label:<{width}} {pct(nbytes, times[label], ceil)} % ({min(times[label]):.4f} ms; {p.tier}, {shape}; "
+            f"{kernel_regs(prep)} regs; max |diff| {diff:.2g}; {p.kernel})"
+        )
+    sys.stdout.flush()
+    return status
+
+
 def operand(t):
     """The _core.Operand of a torch tensor."""
     from drvsoftmax import _core

@@ -43,25 +43,17 @@ STREAM_CAPS_KB = (0, 64, 100, 112, 150, 200)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from long_rows import cuda_torch, operand, pct, tier_args
+    from long_rows import _copy_ceiling, cluster_torch, operand, report_runs, tier_args
 
     args = tier_args(__doc__, argv, 15)
 
-    torch = cuda_torch()
+    torch = cluster_torch()
     if torch is None:
-        return 2
-    if torch.cuda.get_device_capability() < (9, 0):
-        print("needs a GPU of sm_90 or newer (thread-block clusters)", file=sys.stderr)
         return 2
     from drvsoftmax import _core, _driver, _plan
 
     dev = _driver.device(torch.cuda.current_device())
     caps = dev.caps
-
-    from long_rows import _copy_ceiling, _median_ms
-
-    def med(fn) -> float:
-        return _median_ms(torch, fn, args.reps)
 
     ceil = _copy_ceiling(torch, args.reps)
     print(f"{dev.name} ({caps.sm_count} SMs), copy ceiling {ceil:.0f} GB/s", flush=True)
@@ -84,13 +76,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         finally:
             _plan.FORCE_SPLIT, _plan.SPLIT, _plan.FORCE_STREAM, dev.caps = saved
-
-    def regs(prep: _core.Prepared) -> str:
-        from cuda.bindings import driver as drv
-
-        A = drv.CUfunction_attribute
-        r = _driver.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, prep.func), "cuFuncGetAttribute")
-        return f"{r} regs"
 
     labels = ["planned", "loop", "split"] + [f"stream {kb * 1024}" for kb in STREAM_CAPS_KB]
     gen = torch.Generator(device="cuda").manual_seed(20261206)
@@ -128,22 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = runs[0][2].float()
         tol = (1e-4 if dt == "float32" else 1e-2) * ref.abs().max().item()
         print(f"{name}:")
-        times: dict[str, list[float]] = {label: [] for label, _, _, _ in runs}
-        for _ in range(3):
-            for label, _, _, run in runs:
-                times[label].append(med(run))
-        for label, prep, y, _ in runs:
-            diff = (y.float() - ref).abs().max().item()
-            if not diff <= tol:  # (NaN: an element left unwritten)
-                print(f"   {label}: max |difference| {diff:.3g} from the planned output (tolerance {tol:.3g})")
-                status = 1
-            p = prep.plan
-            shape = f"cluster {p.cluster}, {p.smem // 1024} KB" if p.cluster else f"grid {p.grid}"
-            print(
-                f"   {label:<14} {pct(nbytes, times[label], ceil)} % ({min(times[label]):.4f} ms; {p.tier}, {shape}; "
-                f"{regs(prep)}; max |diff| {diff:.2g})"
-            )
-        sys.stdout.flush()
+        status |= report_runs(torch, runs, ref, tol, nbytes, ceil, args.reps, "the planned output")
         x = m = ref = dy = yb = None
         runs = []
         torch.cuda.empty_cache()

@@ -24,6 +24,9 @@
 // as long as the row needs (smx_slice_steps), its steps past the registers and shared
 // memory read in PAIR and read again in STORE, last first, while L2 still holds them (a
 // cluster of 16 takes a row, so the rows in flight at once are few).
+// x-held forward (smx_fwd_cluster_xs, 16-bit x with a hiding mask): shared memory holds x
+// alone; PAIR reads the mask from global memory and leaves x there with its hidden
+// elements -inf, so that STORE needs no mask (smx_xs_pair_step).
 //
 // The dynamic shared memory size tells the kernel Q: Q * B * (bytes of a chunk of every
 // operand held).  Q is a multiple of SMX_CL_U (chunks a thread handles per step), maybe 0.
@@ -50,6 +53,12 @@
 
 #define SMX_CBLOCK 256  // threads of a cluster- or coop-tier block (_plan.BLOCK)
 
+// The x-held forward (smx_fwd_cluster_xs): CTAs per SM its registers are held to (two, up
+// to 128 registers: at three, 80, the fp16 kernel spilled 24 bytes; it takes 117-120), and
+// steps of PAIR whose mask is read ahead of the step worked on (in registers; H100, rows of
+// 1M keys: 1 / 2 / 4 / 8 steps 65 / 71 / 75 / 72% of copy with a padding mask, see _plan.py).
+#define SMX_XS_BLOCKS 2
+#define SMX_XS_AHEAD 4
 #define SMX_CL_U 4  // chunks per thread per step of PAIR and STORE
 // The slice is loaded in SMX_CL_PARTS parts, each a commit group of whole steps of U
 // chunks: part g covers steps [smx_part_begin(g), smx_part_begin(g + 1)).
@@ -407,13 +416,12 @@ __device__ __forceinline__ void smx_fold_terms(float (&t)[K], const Chunk<T> (&c
 }
 // PAIR of a folded interior step with a hiding mask: merged into (m, s).  Where the step's
 // max is below SMX_FOLD_MAX, each term takes one FMA, off by less than 2^-14 relative (as
-// the folded STORE's); above it the exact terms.
-template <typename T, class M, int K>
-__device__ __forceinline__ void smx_fold_pair_hidden(float& m, float& s, const Chunk<T> (&cx)[1][K],
-                                                     const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale,
+// the folded STORE's); above it the exact terms.  smx_fold_pair_chunks: on the step's
+// chunks with their hidden elements already -inf (smx_fold_hidden); smx_fold_pair_hidden:
+// from the raw chunks and the mask.
+template <typename T, int K>
+__device__ __forceinline__ void smx_fold_pair_chunks(float& m, float& s, const Chunk<T> (&c)[K], float scale,
                                                      float sl) {
-  Chunk<T> c[K];
-  smx_fold_hidden<T, M, K>(c, cx, cm);
   const float mx = smx_fold_max<T, K>(c) * scale;
   const float mu = smx_max_use(mx);
   float t[K];  // a sum per chunk, then over the chunks
@@ -426,14 +434,19 @@ __device__ __forceinline__ void smx_fold_pair_hidden(float& m, float& s, const C
   for (int k = 1; k < K; ++k) t[0] += t[k];
   smx_pair_merge(m, s, mx, t[0]);
 }
-// STORE of a folded interior step with a hiding mask (as smx_fold_store).
-template <typename T, class M, int K, int B>
-__device__ __forceinline__ void smx_fold_store_hidden(const Chunk<T> (&cx)[1][K],
-                                                      const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], T* y, int c, int ofs,
-                                                      float sl, float mls) {
+template <typename T, class M, int K>
+__device__ __forceinline__ void smx_fold_pair_hidden(float& m, float& s, const Chunk<T> (&cx)[1][K],
+                                                     const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], float scale,
+                                                     float sl) {
+  Chunk<T> c[K];
+  smx_fold_hidden<T, M, K>(c, cx, cm);
+  smx_fold_pair_chunks<T, K>(m, s, c, scale, sl);
+}
+// STORE of folded chunks c + k * B (k < K) of row y, one chunk at a time (as smx_fold_store).
+template <typename T, int K, int B>
+__device__ __forceinline__ void smx_fold_store_chunks(const Chunk<T> (&h)[K], T* y, int c, int ofs, float sl,
+                                                      float mls) {
   enum { N = Chunk<T>::N };
-  Chunk<T> h[K];
-  smx_fold_hidden<T, M, K>(h, cx, cm);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     float u[N];
@@ -442,6 +455,15 @@ __device__ __forceinline__ void smx_fold_store_hidden(const Chunk<T> (&cx)[1][K]
     for (int e = 0; e < N; ++e) u[e] = smx_exp2(fmaf(u[e], sl, -mls));
     smx_st16(y + (c + k * B) * N - ofs, smx_pack_chunk<T>(u));
   }
+}
+// STORE of a folded interior step with a hiding mask (as smx_fold_store).
+template <typename T, class M, int K, int B>
+__device__ __forceinline__ void smx_fold_store_hidden(const Chunk<T> (&cx)[1][K],
+                                                      const MaskChunk<M, Chunk<T>::N> (&cm)[1][K], T* y, int c, int ofs,
+                                                      float sl, float mls) {
+  Chunk<T> h[K];
+  smx_fold_hidden<T, M, K>(h, cx, cm);
+  smx_fold_store_chunks<T, K, B>(h, y, c, ofs, sl, mls);
 }
 // x as floats and their max (no mask).
 template <typename T, int K>
@@ -577,18 +599,96 @@ __device__ __forceinline__ void smx_cl_store_step(const Chunk<T> (&cx)[1][SMX_CL
   smx_fwd_store<T, M, U, 1, false>(v, inv, rw, acts, c0, SMX_CBLOCK, p);
 }
 
+// x-held slices (XS, smx_fwd_cluster_xs: 16-bit x with a hiding mask, cluster tier): shared
+// memory holds x alone, the mask is read from global memory.  PAIR reads it once, and each
+// folded interior step writes its chunks back with the hidden elements made -inf in x's
+// bits (smx_fold_hide), so that STORE's folded steps need no mask (2^-inf is 0); steps
+// STORE does not fold read the mask again.  A row's mask is so read once, where slices of
+// x beside the mask take a third more shared memory: fp16 rows of 1M keys with a bool mask
+// are held by 16 CTAs of 112 KB (two per SM) instead of 168 KB.
+// The mask of one step's U chunks, from global memory (as the tier's LOAD reads it).
+template <typename T, class M>
+__device__ __forceinline__ void smx_xs_mask(MaskChunk<M, Chunk<T>::N> (&cm)[SMX_CL_U], const FwdRow<T, M> (&rw)[1],
+                                            int cs, int tid, const SmxFwdParams& p, const typename M::S* m0) {
+  enum { N = Chunk<T>::N, U = SMX_CL_U };
+  typedef typename M::S S;
+  enum { MW = N * (int)sizeof(S) / 4 };  // words of a mask chunk
+  if (smx_interior(rw[0], cs, U * SMX_CBLOCK) && rw[0].mvec) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) smx_load_bytes(cm[k].b, rw[0].m + (cs + tid + k * SMX_CBLOCK) * N - rw[0].ofs);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const int c = cs + tid + k * SMX_CBLOCK;
+    const int j0 = c * N - rw[0].ofs;
+    const bool inrow = j0 >= 0 && j0 + N <= p.sk;
+    if (!smx_in(c, rw[0].c0, rw[0].c1) && !(j0 < rw[0].lim && j0 + N > 0)) continue;
+    if (rw[0].mvec && (inrow || (rw[0].m + j0 >= m0 && rw[0].m + j0 + N <= m0 + p.span_m))) {
+      smx_load_bytes(cm[k].b, rw[0].m + j0);
+    } else {
+      smx_gather<sizeof(S), MW>(cm[k].b.w, rw[0].m, p.sm, j0, rw[0].lim, N);
+    }
+  }
+}
+// One step of PAIR (as smx_cl_pair_step) on x from the thread's slots `xq` (the step's
+// first chunk, then every SMX_CBLOCK: LOAD put every chunk there, an edge chunk as the
+// tier's LOAD reads it) and the step's mask `cm`; a folded interior step's hidden chunks
+// written back to `xq`.
+template <typename T, class M>
+__device__ __forceinline__ void smx_xs_pair_step(float& m, float& s, Chunk<T>* xq,
+                                                 const MaskChunk<M, Chunk<T>::N> (&cm)[1][SMX_CL_U],
+                                                 const FwdRow<T, M> (&rw)[1], int cs, int tid, const SmxFwdParams& p,
+                                                 bool fold, float sl) {
+  enum { U = SMX_CL_U };
+  Chunk<T> cx[1][U];
+#pragma unroll
+  for (int k = 0; k < U; ++k) cx[0][k] = xq[k * SMX_CBLOCK];
+  if (fold && smx_interior(rw[0], cs, U * SMX_CBLOCK)) {
+    Chunk<T> c[U];
+    smx_fold_hidden<T, M, U>(c, cx, cm);
+#pragma unroll
+    for (int k = 0; k < U; ++k) xq[k * SMX_CBLOCK] = c[k];
+    smx_fold_pair_chunks<T, U>(m, s, c, p.scale, sl);
+    return;
+  }
+  smx_cl_pair_step<T, M>(m, s, cx, cm, rw, cs, tid, false, p.scale, sl);
+}
+// One step of STORE (as smx_cl_store_step): a folded step (sfold: PAIR folded it too) from
+// the hidden chunks alone, any other with the mask read again.
+template <typename T, class M>
+__device__ __forceinline__ void smx_xs_store_step(const Chunk<T>* xq, const FwdRow<T, M> (&rw)[1],
+                                                  const bool (&acts)[1], int cs, int tid, const SmxFwdParams& p,
+                                                  const typename M::S* m0, bool sfold, float sl, float mls, float mu,
+                                                  const float (&inv)[1]) {
+  enum { N = Chunk<T>::N, U = SMX_CL_U };
+  Chunk<T> cx[1][U];
+  if (sfold && smx_interior(rw[0], cs, U * SMX_CBLOCK)) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) cx[0][k] = xq[k * SMX_CBLOCK];
+    smx_fold_store_chunks<T, U, SMX_CBLOCK>(cx[0], rw[0].y, cs + tid, rw[0].ofs, sl, mls);
+    return;
+  }
+  MaskChunk<M, N> cm[1][U];
+  smx_xs_mask<T, M>(cm[0], rw, cs, tid, p, m0);
+#pragma unroll
+  for (int k = 0; k < U; ++k) cx[0][k] = xq[k * SMX_CBLOCK];
+  smx_cl_store_step<T, M>(cx, cm, rw, acts, cs, tid, p, false, sl, mls, mu, inv);
+}
+
 // ---------------------------------------------------------------------------------
 // A block's slice of one row: chunks rank * K * B .. of row `row` (see the top), its pair
 // exchanged with the row's other blocks through `xc`.  `act`: the row exists (coop blocks
 // of a wave past the last row only take part in the exchange).
-template <typename T, class M, int R, class X, bool STREAM = false>
+template <typename T, class M, int R, class X, bool STREAM = false, bool XS = false>
 __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
                                               const void* __restrict__ klen, const SmxFwdParams& p, smx_i64 row,
                                               bool act, int rank, const X& xc, float (*red)[SMX_CBLOCK / 32],
                                               float* pair) {
   enum { N = Chunk<T>::N, U = SMX_CL_U };
   typedef MaskChunk<M, N> MC;
-  enum { XB = 16, MB = M::PRESENT ? (int)sizeof(MC) : 0 };
+  static_assert(!XS || (M::PRESENT && SmxFold<T, M>::ON && X::INTERIOR && !STREAM), "x-held slices");
+  enum { XB = 16, MB = M::PRESENT && !XS ? (int)sizeof(MC) : 0 };  // bytes of a chunk in shared memory
   const int tid = threadIdx.x;
   // Q from the dynamic shared memory size (whole steps only: a size the driver rounds up
   // changes nothing), then the slots of the slice held there.
@@ -624,7 +724,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // mask 77 -> 80; the coop tier keeps the per-chunk path: its loop over waves spilled).
   const smx_u32 xs_a = smx_smem_addr(xs) + tid * XB;
   const smx_u32 ms_a = smx_smem_addr(ms) + tid * MB;
-  const bool mwhole = !M::PRESENT || rw[0].mvec;
+  const bool mwhole = MB == 0 || rw[0].mvec;
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
 #pragma unroll 1
@@ -635,7 +735,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           smx_cp16a(xs_a + (st * U + u) * SMX_CBLOCK * XB, rw[0].x + j0 + u * SMX_CBLOCK * N);
-          if (M::PRESENT)
+          if (MB > 0)
             smx_cp_bytes_a<N * (int)sizeof(typename M::S)>(ms_a + (st * U + u) * SMX_CBLOCK * MB,
                                                            rw[0].m + j0 + u * SMX_CBLOCK * N);
         }
@@ -649,7 +749,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
         const int j0 = c * N - rw[0].ofs;
         if (smx_in(c, rw[0].c0, rw[0].c1)) {
           smx_cp16(&xs[slot], rw[0].x + j0);
-          if (M::PRESENT) {
+          if (MB > 0) {
             if (rw[0].mvec) {
               smx_cp_bytes<N * (int)sizeof(typename M::S)>(&ms[slot], rw[0].m + j0);
             } else {
@@ -664,7 +764,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
           MC cm[1][1];
           smx_fwd_load<T, M, 1, 1, false>(cx, cm, rw, c, SMX_CBLOCK, p, x, m0);
           xs[slot] = cx[0][0];
-          if (M::PRESENT) ms[slot] = cm[0][0];
+          if (MB > 0) ms[slot] = cm[0][0];
         }
       }
     }
@@ -690,11 +790,30 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       for (int e = 0; e < N; ++e) s += smx_term(v[0][k][e], mu);
     m = mx[0];
   }
+  // XS: the mask of the next SMX_XS_AHEAD steps in flight while a step is worked on.
+  enum { XA = XS ? SMX_XS_AHEAD : 1 };
+  MC ring[XA][U];
+#pragma unroll
+  for (int d = 0; d < XA; ++d)
+    if (XS && d * U < q_smem) smx_xs_mask<T, M>(ring[d], rw, cq + d * U * SMX_CBLOCK, tid, p, m0);
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
     smx_cp_wait_parts_after(g);  // each thread reads back only the slots it filled
 #pragma unroll 1
     for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
+      if constexpr (XS) {
+        MC cm[1][U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) cm[0][k] = ring[0][k];
+#pragma unroll
+        for (int d = 0; d + 1 < XA; ++d)
+#pragma unroll
+          for (int k = 0; k < U; ++k) ring[d][k] = ring[d + 1][k];
+        const int qn = q0 + XA * U;  // the step whose mask is read now
+        if (qn < q_smem) smx_xs_mask<T, M>(ring[XA - 1], rw, cq + qn * SMX_CBLOCK, tid, p, m0);
+        smx_xs_pair_step<T, M>(m, s, xs + q0 * SMX_CBLOCK + tid, cm, rw, cq + q0 * SMX_CBLOCK, tid, p, fold, sl);
+        continue;
+      }
       Chunk<T> cx[1][U];
       MC cm[1][U];
 #pragma unroll
@@ -760,6 +879,11 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
     smx_fwd_store<T, M, RR, 1, false>(v, inv, rw, acts, cb + tid, SMX_CBLOCK, p);
   }
   for (int q0 = 0; q0 < (act ? q_smem : 0); q0 += U) {
+    if constexpr (XS) {
+      smx_xs_store_step<T, M>(xs + q0 * SMX_CBLOCK + tid, rw, acts, cq + q0 * SMX_CBLOCK, tid, p, m0, sfold, sl, mls,
+                              mu, inv);
+      continue;
+    }
     Chunk<T> cx[1][U];
     MC cm[1][U];
 #pragma unroll
@@ -918,7 +1042,7 @@ template <typename T, class M> struct SmxClusterFwdBlocks {
 };
 #if __CUDA_ARCH__ >= 900
 // A cluster kernel's body: the block's slice of row blockIdx.x / CS, the exchange set up.
-template <typename T, class M, int R, bool STREAM>
+template <typename T, class M, int R, bool STREAM, bool XS = false>
 __device__ __forceinline__ void smx_fwd_cluster_body(const T* __restrict__ x, T* __restrict__ y,
                                                      const void* __restrict__ mask, const void* __restrict__ klen,
                                                      const SmxFwdParams& p) {
@@ -927,8 +1051,8 @@ __device__ __forceinline__ void smx_fwd_cluster_body(const T* __restrict__ x, T*
   __shared__ SmxClusterShared xs;
   const SmxClusterX xc = {smx_cluster_size(), smx_cluster_rank(), &xs};
   xc.start();
-  smx_fwd_slice<T, M, R, SmxClusterX, STREAM>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true,
-                                              (int)xc.rank, xc, red, pair);
+  smx_fwd_slice<T, M, R, SmxClusterX, STREAM, XS>(x, y, mask, klen, p, (smx_i64)(blockIdx.x / xc.cs), true,
+                                                  (int)xc.rank, xc, red, pair);
 }
 template <typename T, int R, bool STREAM>
 __device__ __forceinline__ void smx_bwd_cluster_body(const T* __restrict__ dy, const T* __restrict__ y,
@@ -948,6 +1072,17 @@ smx_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restri
                 const void* __restrict__ klen, const SmxFwdParams p) {
 #if __CUDA_ARCH__ >= 900
   smx_fwd_cluster_body<T, M, R, false>(x, y, mask, klen, p);
+#endif
+}
+
+// The same with x alone in shared memory, the mask read from global memory (smx_fwd_slice's
+// XS: 16-bit x with a hiding mask).
+template <typename T, class M, int R>
+__global__ void __launch_bounds__(SMX_CBLOCK, SMX_XS_BLOCKS)
+smx_fwd_cluster_xs(const T* __restrict__ x, T* __restrict__ y, const void* __restrict__ mask,
+                   const void* __restrict__ klen, const SmxFwdParams p) {
+#if __CUDA_ARCH__ >= 900
+  smx_fwd_cluster_body<T, M, R, false, true>(x, y, mask, klen, p);
 #endif
 }
 

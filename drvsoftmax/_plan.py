@@ -285,6 +285,10 @@ def kernel_fwd_cluster(dtype: str, mask_kind: str, reg: int = 0) -> str:
     return f"smx_fwd_cluster<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {reg}>"
 
 
+def kernel_fwd_cluster_xs(dtype: str, mask_kind: str) -> str:
+    return f"smx_fwd_cluster_xs<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {CLUSTER_REG}>"
+
+
 def kernel_fwd_stream(dtype: str, mask_kind: str) -> str:
     return f"smx_fwd_cluster_stream<{_t(dtype)}, {MASK_KINDS[mask_kind]}, {CLUSTER_REG}>"
 
@@ -344,6 +348,7 @@ def all_kernel_names() -> list[str]:
         names.append(kernel_bwd_cluster(dt, CLUSTER_REG))
         names += [kernel_fwd_stream(dt, mk) for mk in stream_mask_kinds(dt)]
         names.append(kernel_bwd_stream(dt))
+        names += [kernel_fwd_cluster_xs(dt, mk) for mk in xs_mask_kinds(dt)]
     for dt in X_DTYPES:  # the coop tier after them
         names += [kernel_fwd_coop(dt, mk) for mk in MASK_KINDS]
         names.append(kernel_fwd_coop(dt, "none", CLUSTER_REG))
@@ -496,6 +501,38 @@ STREAM_MASK_KINDS = ("none", "hide1")
 # Testing knob: shared memory bytes per CTA of a streamed plan forced wherever a streamed
 # kernel exists for the rows the cluster or looped tier would take (None: as measured).
 FORCE_STREAM: int | None = None
+
+
+# The x-held cluster forward (smx_fwd_cluster_xs): 16-bit x with a 1-byte hiding mask, x
+# alone in shared memory, the mask read from global memory (once where STORE folds: PAIR
+# leaves x there with its hidden elements -inf).  Slices of x beside the mask take half as
+# much shared memory again: fp16 rows of 1M keys with a bool mask need 16 CTAs of 168 KB
+# (one per SM: CLUSTER_LOOP_SMEM sends them to the looped tier), x alone 16 of 112 KB.
+# Planned only where no cluster holds x and the mask: where one does, the mask travels
+# with x by cp.async, and PAIR's reads of the mask wait on memory here.  Measured on an
+# H100 80GB HBM3 with its first version (each step's mask read as PAIR reaches the step,
+# no read-ahead; % of copy, the mask at its own size, best of three rounds; fp16 / bf16 x
+# of 2^29 elements; x-held / mask beside x / looped tier): 8192 rows of 65536 keys with a
+# padding mask [1, Sk] 73.7 / 96.4 / 63.2 and 76.2 / 97.2 / 62.0, with a mask of x's shape
+# 91.4 / 100.4 / 64.8 and 93.8 / 100.8 / 64.7; 2048 rows of 262144 keys 67.3 / 93.3 / 63.0
+# and 72.6 / 95.8 / 62.4, 86.1 / 99.9 / 63.3 and 88.1 / 100.8 / 63.2; 512 rows of 1M keys
+# (no cluster holds x and the mask) 66.1 / - / 62.8 and 68.1 / - / 61.7, 80.9 / - / 62.4 and
+# 82.2 / - / 62.6.  A padding mask took as long as one of x's shape: the mask's reads
+# waited on latency, not bandwidth.  PAIR reads the mask SMX_XS_AHEAD steps ahead since
+# (same H100, 512 rows of 1M keys, fp16 / bf16, padding mask and mask of x's shape; best of
+# three): 1 step 65.5 / 67.4, 82.9 / 82.8; 2 steps 71.4 / 74.0, 84.2 / 84.5; 4 steps 75.3 /
+# 74.8, 85.6 / 85.4 (117 / 120 registers); 6 steps 74.8 / 75.7, 85.7 / 85.6 (128 / 126); 8
+# steps 72.0 / 75.0, 85.1 / 86.7 (128 / 128).  Kept at 4, against the looped tier's 61.3 /
+# 60.6 and 60.9 / 60.4 in the same runs.
+XS_MASK_KINDS = ("hide1",)
+# Testing knob: True plans it wherever a cluster holds x, False never; None (the default)
+# where no cluster holds x and the mask beside it.
+CLUSTER_XS: bool | None = None
+
+
+def xs_mask_kinds(dtype: str) -> tuple[str, ...]:
+    """Mask kinds of x of `dtype` with an x-held cluster forward."""
+    return XS_MASK_KINDS if X_DTYPES[dtype][1] == 2 else ()
 
 
 def stream_mask_kinds(dtype: str) -> tuple[str, ...]:
@@ -1152,6 +1189,11 @@ def plan_forward(
             if FORCE_COOP or FORCE_SPLIT
             else _cluster_plan(name, reg, rows, sk, item, aligned_rows, slot, vector, caps, mask_kind != "none")
         )
+        xs = mask_kind in xs_mask_kinds(dtype) and not (FORCE_COOP or FORCE_SPLIT) and CLUSTER_XS is not False
+        if xs and (plan is None or CLUSTER_XS):  # x alone in shared memory, the mask read from global memory
+            name = kernel_fwd_cluster_xs(dtype, mask_kind)
+            held = _cluster_plan(name, CLUSTER_REG, rows, sk, item, aligned_rows, CHUNK_BYTES, vector, caps, True)
+            plan = held if held is not None else plan
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (
                 kernel_fwd_coop(dtype, mask_kind),

@@ -466,7 +466,9 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@pytest.mark.parametrize("script", ["long_rows", "loop_rows", "pipe_rows", "split_rows", "stream_rows", "size_ceiling"])
+@pytest.mark.parametrize(
+    "script", ["long_rows", "loop_rows", "pipe_rows", "split_rows", "stream_rows", "xs_rows", "size_ceiling"]
+)
 def test_tier_scripts_parse_their_arguments_and_stop_without_a_gpu(script, capsys):
     """The scripts that time one tier beside another import on any machine, take their
     arguments, and without a CUDA GPU (or without torch) stop with status 2 and say what

@@ -316,18 +316,58 @@ def test_forward_strided_and_unaligned_rows(sk):
 
 
 @pytest.mark.parametrize(
-    "dtype,sk,mask", [("float16", 2**20, False), ("bfloat16", 2**20, True), ("float32", 262144, True)]
+    "dtype,sk,mask",
+    [("float16", 2**20, False), ("bfloat16", 2**20, True), ("float16", 2**20, "own"), ("float32", 262144, True)],
 )
 def test_forward_longest_targets(dtype, sk, mask):
-    """1M-key 16-bit rows (clusters of 16: the non-portable size) and 256K fp32 rows.  With a
-    mask, 1M-key 16-bit rows would need over CLUSTER_LOOP_SMEM per block: the looped tier
-    (the split tier for these few rows)."""
+    """1M-key 16-bit rows (clusters of 16: the non-portable size; with a bool mask, a
+    padding mask or one of every row's own, the x-held kernel, the mask read from global
+    memory) and 256K fp32 rows."""
     x = _rand((3, sk), DTYPES[dtype])
-    m = torch.from_numpy(_gen.random((1, sk)) < 0.3).cuda() if mask else None
-    loop = mask and sk == 2**20
-    _check_forward(x, m, scale=0.7, what=f"{dtype} Sk={sk} mask={mask}", cluster=None if loop else 16, any_tier=loop)
-    if loop:
-        assert _fwd_plan(x, m).tier == "split"
+    m = torch.from_numpy(_gen.random((3 if mask == "own" else 1, sk)) < 0.3).cuda() if mask else None
+    _check_forward(x, m, scale=0.7, what=f"{dtype} Sk={sk} mask={mask}", cluster=16)
+    assert ("cluster_xs" in _fwd_plan(x, m).kernel) == (bool(mask) and ITEM[dtype] == 2)
+
+
+@pytest.fixture(params=[True, False], ids=["x-held", "mask-held"])
+def xs(request, monkeypatch):
+    """The 16-bit forward with a bool mask in the cluster tier, by `_plan.CLUSTER_XS`: the
+    x-held kernel (the mask read from global memory) wherever a cluster holds x, and the
+    kernel that holds the mask beside x (the one planned for these rows)."""
+    monkeypatch.setattr(_plan, "CLUSTER_XS", request.param)
+    _core._cache.clear()
+    yield request.param
+    _core._cache.clear()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_bool_mask_both_cluster_kernels(dtype, xs):
+    """Both 16-bit cluster kernels of a bool mask: a padding mask `[1, Sk]` read by every
+    row, a mask of every row's own, a strided mask (read element-wise), rows off the
+    16-byte grid (edge chunks), causal rows and key_lengths (steps past the visible
+    prefix), a scale the fold does not take (the exact path reads the mask again in
+    STORE) and logits past SMX_FOLD_MAX (PAIR folds, STORE does not)."""
+    sk = 65536 + 40
+    t = DTYPES[dtype]
+    kern = "smx_fwd_cluster_xs" if xs else "smx_fwd_cluster<"
+    x = _rand((3, sk), t)
+    pad = torch.from_numpy(_gen.random((1, sk)) < 0.25).cuda()
+    own = torch.from_numpy(_gen.random((3, sk)) < 0.25).cuda()
+    own[1, 5000:20000] = True
+    assert _fwd_plan(x, own).kernel.startswith(kern)
+    for what, m in (("padding", pad), ("own", own)):
+        for scale in (0.6, -0.8, 0.0):
+            _check_forward(x, m, scale=scale, what=f"{dtype} {what} scale={scale}")
+    big = _rand((3, sk), t, scale=40.0)
+    _check_forward(big, own, scale=30.0, what=f"{dtype} max past SMX_FOLD_MAX")
+    wide = torch.from_numpy(_gen.random((3, 2 * sk)) < 0.25).cuda()
+    _check_forward(x, wide[:, ::2], scale=0.6, what=f"{dtype} strided mask")
+    off = _rand((3, sk + 1), t)[:, 1:]
+    _check_forward(off, own, scale=0.6, what=f"{dtype} rows off the grid", any_tier=True)
+    xq = _rand((1, 1, 3, sk), t)
+    _check_forward(xq, own.view(1, 1, 3, sk), scale=0.6, causal=True, what=f"{dtype} causal")
+    kl = torch.tensor([sk, 33333, 7], dtype=torch.int32, device="cuda")
+    _check_forward(x, pad, scale=0.6, key_lengths=kl, what=f"{dtype} key_lengths")
 
 
 def test_forward_many_clusters_cover_every_row():

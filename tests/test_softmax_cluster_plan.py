@@ -23,8 +23,16 @@ ITEM = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
 LONG = [16385, 16393, 20000, 32768, 65535, 65536, 100003, 262144, 524288, 1048576, 1048577, 1835008, 1835009]
 
 
-_slot = chunk_slot_bytes
 _plan_of = plan_of
+
+
+_slot = chunk_slot_bytes
+
+
+def _xs(mk: str, dtype: str, backward: bool) -> bool:
+    """An x-held cluster forward exists (16-bit x, a 1-byte hiding mask read from global
+    memory, x alone in shared memory): planned where no cluster holds x and the mask."""
+    return not backward and ITEM[dtype] == 2 and mk == "hide1"
 
 
 def _has_reg_variant(dtype: str, mk: str, backward: bool) -> bool:
@@ -37,7 +45,7 @@ def _has_reg_variant(dtype: str, mk: str, backward: bool) -> bool:
 def test_mask_element_sizes_match_the_c_types():
     assert set(_plan.MASK_ITEMSIZE) == set(_plan.MASK_KINDS)
     for mk in _plan.MASK_KINDS:
-        assert 16 + 8 * _plan.MASK_ITEMSIZE[mk] == _slot(mk, "float16", False), mk
+        assert 16 + 8 * _plan.MASK_ITEMSIZE[mk] == chunk_slot_bytes(mk, "float16", False), mk
 
 
 @pytest.mark.parametrize("caps", [None, A100, L40, _plan.DeviceCaps(75, 65536)])
@@ -128,6 +136,10 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 if not backward:
                     assert _plan.cluster_reg(ITEM[dtype], mk) == (_plan.CLUSTER_REG if reg_variant else 0), mk
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
+                xs = want is None and _xs(mk, dtype, backward)
+                if xs:  # x alone in shared memory
+                    slot = 16
+                    want = _expected_shape(chunks, slot, caps, True, True)
                 if want is None and p.kernel == _stream_kernel(backward, dtype, mk):
                     _assert_streamed(p, rows, chunks, slot, caps, _plan.STREAM_SMEM if backward else None)
                     continue
@@ -142,10 +154,14 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 assert q == 0 or cs * (reg + q - 4) * 256 < chunks
                 assert p.smem <= limit
                 assert p.grid == rows * cs and p.block == 256 == 1 << p.tpr_log2
-                assert p.kernel == (
-                    _plan.kernel_bwd_cluster(dtype, reg) if backward else _plan.kernel_fwd_cluster(dtype, mk, reg)
-                )
+                if xs:
+                    assert p.kernel == _plan.kernel_fwd_cluster_xs(dtype, mk)
+                else:
+                    assert p.kernel == (
+                        _plan.kernel_bwd_cluster(dtype, reg) if backward else _plan.kernel_fwd_cluster(dtype, mk, reg)
+                    )
                 assert p.kernel in _plan.all_kernel_names()
+                slot = _slot(mk, dtype, backward)
     if caps is H200:  # the register variants where they exist; 16-bit forwards with wider masks have none
         assert regs_seen == ({0, _plan.CLUSTER_REG} if not backward and ITEM[dtype] == 2 else {_plan.CLUSTER_REG})
 
@@ -181,6 +197,31 @@ def test_register_variant_wherever_there_is_one():
         16,
         12 * 256 * 24,
     )
+    # ... and where no cluster holds x and the mask within CLUSTER_LOOP_SMEM, the x-held
+    # kernel (x alone in shared memory, the mask read from global memory)
+    p = _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200)
+    assert p.kernel == "smx_fwd_cluster_xs<smx_bf16, MaskHide<smx_u8>, 4>" and (p.cluster, p.nch, p.smem) == (
+        16,
+        32,
+        28 * 256 * 16,
+    )
+
+
+@pytest.mark.parametrize("xs", [True, False])
+def test_the_cluster_xs_knob(monkeypatch, xs):
+    """_plan.CLUSTER_XS (a test hook): True plans the x-held kernel wherever a cluster holds
+    x, False never (the looped tier where no cluster holds x and the mask)."""
+    monkeypatch.setattr(_plan, "CLUSTER_XS", xs)
+    for dtype in ("float16", "bfloat16"):
+        for sk in (20000, 65536, 262144, 2**20):
+            p = _plan.plan_forward(64, sk, dtype, "hide1", True, True, H200)
+            assert p.tier == ("cluster" if xs or sk < 2**20 else "loop"), p
+            assert ("cluster_xs" in p.kernel) == xs, p
+            assert p.smem % (256 * (16 if xs else 24)) == 0 and p.kernel in _plan.all_kernel_names()
+        # other dtypes and masks have no x-held kernel
+        assert "cluster_xs" not in _plan.plan_forward(64, 65536, dtype, "none", True, True, H200).kernel
+        assert "cluster_xs" not in _plan.plan_forward(64, 65536, dtype, "hide2", True, True, H200).kernel
+    assert "cluster_xs" not in _plan.plan_forward(64, 65536, "float32", "hide1", True, True, H200).kernel
     assert _plan.plan_forward(64, 262144, "float16", "hide2", True, True, H200).kernel.endswith("<smx_u16>, 0>")
     assert _plan.plan_forward(64, 262144, "bfloat16", "add_bfloat16", True, True, H200).kernel.endswith(", 0>")
 
@@ -218,18 +259,32 @@ def test_cluster_tier_starts_where_the_register_tier_ends(backward):
 def test_the_longest_row_a_cluster_holds(dtype, mk, backward):
     """The last row length the cluster tier takes and the first it leaves to the loop (to
     the streamed cluster forward in fp32 without a mask or with a bool mask, to the
-    streamed cluster backward)."""
+    streamed cluster backward); 16-bit x with a bool mask: the last the cluster that holds
+    the mask beside x takes, then the x-held kernel to its own last."""
     n = 16 // ITEM[dtype]
-    slot = _slot(mk or "none", dtype, backward)
-    qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
     reg = _plan.CLUSTER_REG if _has_reg_variant(dtype, mk, backward) else 0
     after = "loop"
-    if backward or mk != "none":
-        # Masked forwards and backwards: clusters of 16 up to CLUSTER_LOOP_SMEM per block.
-        qmax = min(qmax, _plan.CLUSTER_LOOP_SMEM // (256 * slot) // 4 * 4)
-    longest = 16 * 256 * (qmax + reg) * n
+
+    def longest_of(slot: int) -> tuple[int, int]:
+        qmax = (H200.smem_per_block - _plan.CLUSTER_SMEM_RESERVE) // (256 * slot) // 4 * 4
+        if backward or mk != "none":
+            # Masked forwards and backwards: clusters of 16 up to CLUSTER_LOOP_SMEM per block.
+            qmax = min(qmax, _plan.CLUSTER_LOOP_SMEM // (256 * slot) // 4 * 4)
+        return 16 * 256 * (qmax + reg) * n, qmax
+
+    longest, qmax = longest_of(_slot(mk or "none", dtype, backward))
     p = _plan_of(backward, 2, longest, dtype, mk or "none", True, H200)
     assert p.tier == "cluster" and p.cluster == 16 and p.nch == qmax + reg and p.kernel.endswith(f", {reg}>")
+    if _xs(mk, dtype, backward):
+        assert "cluster_xs" not in p.kernel
+        for q in (
+            _plan_of(False, 2, longest + n, dtype, mk, True, H200),
+            _plan_of(False, 2, longest, dtype, mk, False, H200),
+        ):
+            assert q.kernel == _plan.kernel_fwd_cluster_xs(dtype, mk) and q.smem % (256 * 16) == 0, q
+        longest, qmax = longest_of(16)
+        p = _plan_of(backward, 2, longest, dtype, mk, True, H200)
+        assert p.kernel == _plan.kernel_fwd_cluster_xs(dtype, mk) and p.cluster == 16 and p.nch == qmax + reg, p
     beyond = (
         _plan_of(backward, 2, longest + 1, dtype, mk or "none", True, H200),
         _plan_of(backward, 2, longest, dtype, mk or "none", False, H200),
@@ -248,12 +303,16 @@ def test_long_rows_of_the_targets_take_the_cluster_tier_on_sm_90():
             for mk in ("none", "hide1", f"add_{dtype}"):
                 assert _plan.plan_forward(64, sk, dtype, mk, True, True, H200).tier == "cluster", (sk, dtype, mk)
             assert _plan.plan_backward(64, sk, dtype, True, True, H200).tier == "cluster", (sk, dtype)
-    # 1M keys: 16-bit rows fit (2 MB of x, 1 MB of a bool mask, 4 MB of dy and y over 16
-    # blocks, with registers); fp32 rows do not (the coop tier takes them).
+    # 1M keys: 16-bit rows fit (2 MB of x, 4 MB of dy and y over 16 blocks, with
+    # registers); fp32 rows do not (the coop tier takes them).  With a bool mask the x-held
+    # kernel (x alone in shared memory) holds them.
     assert _plan.plan_forward(64, 2**20, "float16", "none", True, True, H200).tier == "cluster"
-    # ... but with a mask, and backward, clusters of 16 with over 128 KB per block lose: to
-    # the loop (16-bit masked forwards), to the streamed cluster backward
-    assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).tier == "loop"
+    assert _plan.plan_forward(64, 2**20, "bfloat16", "hide1", True, True, H200).kernel == _plan.kernel_fwd_cluster_xs(
+        "bfloat16", "hide1"
+    )
+    # ... but with a wider mask, and backward, clusters of 16 with over 128 KB per block
+    # lose: to the loop (16-bit masked forwards), to the streamed cluster backward
+    assert _plan.plan_forward(64, 2**20, "bfloat16", "add_bfloat16", True, True, H200).tier == "loop"
     assert _plan.plan_backward(64, 2**20, "float16", True, True, H200).kernel == _stream_kernel(True, "float16", "")
     assert _plan.plan_backward(64, 262144, "float32", True, True, H200).kernel == _plan.kernel_bwd_cluster(
         "float32", _plan.CLUSTER_REG
