@@ -77,6 +77,21 @@ def cluster_torch():
     return torch
 
 
+def cluster_device(reps: int):
+    """(torch, the package's device, the copy ceiling in GB/s) on a GPU of sm_90 or newer,
+    with a line naming the device and the ceiling printed; None where cluster_torch says
+    what is missing."""
+    torch = cluster_torch()
+    if torch is None:
+        return None
+    from drvsoftmax import _driver
+
+    dev = _driver.device(torch.cuda.current_device())
+    ceil = _copy_ceiling(torch, reps)
+    print(f"{dev.name} ({dev.caps.sm_count} SMs), copy ceiling {ceil:.0f} GB/s", flush=True)
+    return torch, dev, ceil
+
+
 def kernel_regs(prep) -> int:
     """Registers per thread of a prepared launch's kernel."""
     from cuda.bindings import driver as drv

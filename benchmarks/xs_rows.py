@@ -39,18 +39,15 @@ LABELS = ("x-held", "held", "loop")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from long_rows import _copy_ceiling, cluster_torch, operand, report_runs, tier_args
+    from long_rows import cluster_device, operand, report_runs, tier_args
 
     args = tier_args(__doc__, argv, 15)
-    torch = cluster_torch()
-    if torch is None:
+    found = cluster_device(args.reps)
+    if found is None:
         return 2
-    from drvsoftmax import _core, _driver, _plan
-
-    dev = _driver.device(torch.cuda.current_device())
+    torch, dev, ceil = found
     caps = dev.caps
-    ceil = _copy_ceiling(torch, args.reps)
-    print(f"{dev.name} ({caps.sm_count} SMs), copy ceiling {ceil:.0f} GB/s", flush=True)
+    from drvsoftmax import _core, _plan
 
     def prepared(x, m, y, label: str) -> _core.Prepared:
         saved = _plan.CLUSTER_XS, dev.caps
