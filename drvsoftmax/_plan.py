@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import _dtypes
 
@@ -1199,7 +1199,10 @@ def plan_forward(
         if xs and (plan is None or CLUSTER_XS):  # x alone in shared memory, the mask read from global memory
             name = kernel_fwd_cluster_xs(dtype, mask_kind)
             held = _cluster_plan(name, CLUSTER_REG, rows, sk, item, aligned_rows, CHUNK_BYTES, vector, caps, True)
-            plan = held if held is not None else plan
+            if held is not None:
+                plan = replace(
+                    held, reason=f"{held.reason}; x alone in shared memory, the mask read from global memory"
+                )
         if plan is None and (FORCE_COOP or COOP_WHERE_IT_FITS):
             names = (
                 kernel_fwd_coop(dtype, mask_kind),

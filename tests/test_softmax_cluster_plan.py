@@ -217,6 +217,7 @@ def test_the_cluster_xs_knob(monkeypatch, xs):
             p = _plan.plan_forward(64, sk, dtype, "hide1", True, True, H200)
             assert p.tier == ("cluster" if xs or sk < 2**20 else "loop"), p
             assert ("cluster_xs" in p.kernel) == xs, p
+            assert ("the mask read from global memory" in p.reason) == xs, p  # what explain() says
             assert p.smem % (256 * (16 if xs else 24)) == 0 and p.kernel in _plan.all_kernel_names()
         # other dtypes and masks have no x-held kernel
         assert "cluster_xs" not in _plan.plan_forward(64, 65536, dtype, "none", True, True, H200).kernel
