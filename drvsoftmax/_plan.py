@@ -522,8 +522,10 @@ FORCE_STREAM: int | None = None
 # (same H100, 512 rows of 1M keys, fp16 / bf16, padding mask and mask of x's shape; best of
 # three): 1 step 65.5 / 67.4, 82.9 / 82.8; 2 steps 71.4 / 74.0, 84.2 / 84.5; 4 steps 75.3 /
 # 74.8, 85.6 / 85.4 (117 / 120 registers); 6 steps 74.8 / 75.7, 85.7 / 85.6 (128 / 126); 8
-# steps 72.0 / 75.0, 85.1 / 86.7 (128 / 128).  Kept at 4, against the looped tier's 61.3 /
-# 60.6 and 60.9 / 60.4 in the same runs.  At 4 (benchmarks/xs_rows.py, same H100, x-held /
+# steps 72.0 / 75.0, 85.1 / 86.7 (128 / 128; that run's copy measured 2854 GB/s against
+# 2981-2987 in the others: in ms, 8 steps took 1.046 / 1.004 with the padding mask, 4 steps
+# 0.956 / 0.962).  Kept at 4, against the looped tier's 61.3 / 60.6 and 60.9 / 60.4 in the
+# same runs.  At 4 (benchmarks/xs_rows.py, same H100, x-held /
 # mask beside x): 65536 keys 84.9 / 93.6 and 95.0 / 98.7 (fp16), 85.0 / 93.5 and 95.8 /
 # 98.8 (bf16); 262144 keys 80.2 / 92.4 and 87.6 / 98.7, 80.5 / 93.5 and 88.5 / 99.3: x-held
 # stays where nothing else holds the row.  Nsight Compute on fp16 512 x 1M, padding mask:
