@@ -67,22 +67,15 @@ def cuda_torch():
     return torch
 
 
-def cluster_torch():
-    """torch where it sees a CUDA GPU of sm_90 or newer (thread-block clusters), else None
-    (and a line on stderr saying what is missing)."""
-    torch = cuda_torch()
-    if torch is not None and torch.cuda.get_device_capability() < (9, 0):
-        print("needs a GPU of sm_90 or newer (thread-block clusters)", file=sys.stderr)
-        return None
-    return torch
-
-
 def cluster_device(reps: int):
-    """(torch, the package's device, the copy ceiling in GB/s) on a GPU of sm_90 or newer,
-    with a line naming the device and the ceiling printed; None where cluster_torch says
-    what is missing."""
-    torch = cluster_torch()
+    """(torch, the package's device, the copy ceiling in GB/s) on a GPU of sm_90 or newer
+    (thread-block clusters), with a line naming the device and the ceiling printed; else
+    None, with a line on stderr saying what is missing."""
+    torch = cuda_torch()
     if torch is None:
+        return None
+    if torch.cuda.get_device_capability() < (9, 0):
+        print("needs a GPU of sm_90 or newer (thread-block clusters)", file=sys.stderr)
         return None
     from drvsoftmax import _driver
 

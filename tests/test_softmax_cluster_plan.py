@@ -23,10 +23,8 @@ ITEM = {dt: _plan.X_DTYPES[dt][1] for dt in DTYPES}
 LONG = [16385, 16393, 20000, 32768, 65535, 65536, 100003, 262144, 524288, 1048576, 1048577, 1835008, 1835009]
 
 
-_plan_of = plan_of
-
-
 _slot = chunk_slot_bytes
+_plan_of = plan_of
 
 
 def _xs(mk: str, dtype: str, backward: bool) -> bool:
@@ -45,7 +43,7 @@ def _has_reg_variant(dtype: str, mk: str, backward: bool) -> bool:
 def test_mask_element_sizes_match_the_c_types():
     assert set(_plan.MASK_ITEMSIZE) == set(_plan.MASK_KINDS)
     for mk in _plan.MASK_KINDS:
-        assert 16 + 8 * _plan.MASK_ITEMSIZE[mk] == chunk_slot_bytes(mk, "float16", False), mk
+        assert 16 + 8 * _plan.MASK_ITEMSIZE[mk] == _slot(mk, "float16", False), mk
 
 
 @pytest.mark.parametrize("caps", [None, A100, L40, _plan.DeviceCaps(75, 65536)])
@@ -137,9 +135,9 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                     assert _plan.cluster_reg(ITEM[dtype], mk) == (_plan.CLUSTER_REG if reg_variant else 0), mk
                 want = _expected_shape(chunks, slot, caps, reg_variant, backward or mk != "none")
                 xs = want is None and _xs(mk, dtype, backward)
-                if xs:  # x alone in shared memory
-                    slot = 16
-                    want = _expected_shape(chunks, slot, caps, True, True)
+                held = 16 if xs else slot  # bytes a chunk takes in shared memory: x alone where x-held
+                if xs:
+                    want = _expected_shape(chunks, held, caps, True, True)
                 if want is None and p.kernel == _stream_kernel(backward, dtype, mk):
                     _assert_streamed(p, rows, chunks, slot, caps, _plan.STREAM_SMEM if backward else None)
                     continue
@@ -149,7 +147,7 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                 cs, q, reg = want
                 regs_seen.add(reg)
                 assert p.tier == "cluster", (mk, sk, p)
-                assert (p.cluster, p.nch, p.smem) == (cs, reg + q, q * 256 * slot), (mk, sk, p, want)
+                assert (p.cluster, p.nch, p.smem) == (cs, reg + q, q * 256 * held), (mk, sk, p, want)
                 assert q % 4 == 0 and cs * (reg + q) * 256 >= chunks
                 assert q == 0 or cs * (reg + q - 4) * 256 < chunks
                 assert p.smem <= limit
@@ -161,7 +159,6 @@ def test_cluster_shapes_hold_the_row(caps, dtype, backward):
                         _plan.kernel_bwd_cluster(dtype, reg) if backward else _plan.kernel_fwd_cluster(dtype, mk, reg)
                     )
                 assert p.kernel in _plan.all_kernel_names()
-                slot = _slot(mk, dtype, backward)
     if caps is H200:  # the register variants where they exist; 16-bit forwards with wider masks have none
         assert regs_seen == ({0, _plan.CLUSTER_REG} if not backward and ITEM[dtype] == 2 else {_plan.CLUSTER_REG})
 
