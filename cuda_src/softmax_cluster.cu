@@ -606,30 +606,20 @@ __device__ __forceinline__ void smx_cl_store_step(const Chunk<T> (&cx)[1][SMX_CL
 // STORE does not fold read the mask again.  A row's mask is so read once, where slices of
 // x beside the mask take a third more shared memory: fp16 rows of 1M keys with a bool mask
 // are held by 16 CTAs of 112 KB (two per SM) instead of 168 KB.
-// The mask of one step's U chunks, from global memory (as the tier's LOAD reads it).
+// The mask of one step's U chunks, from global memory: an interior step's whole, any other
+// as the tier's LOAD reads it (its reads of x go unused, and the compiler drops them).
 template <typename T, class M>
-__device__ __forceinline__ void smx_xs_mask(MaskChunk<M, Chunk<T>::N> (&cm)[SMX_CL_U], const FwdRow<T, M> (&rw)[1],
-                                            int cs, int tid, const SmxFwdParams& p, const typename M::S* m0) {
+__device__ __forceinline__ void smx_xs_mask(MaskChunk<M, Chunk<T>::N> (&cm)[1][SMX_CL_U], const FwdRow<T, M> (&rw)[1],
+                                            int cs, int tid, const SmxFwdParams& p, const T* x,
+                                            const typename M::S* m0) {
   enum { N = Chunk<T>::N, U = SMX_CL_U };
-  typedef typename M::S S;
-  enum { MW = N * (int)sizeof(S) / 4 };  // words of a mask chunk
   if (smx_interior(rw[0], cs, U * SMX_CBLOCK) && rw[0].mvec) {
 #pragma unroll
-    for (int k = 0; k < U; ++k) smx_load_bytes(cm[k].b, rw[0].m + (cs + tid + k * SMX_CBLOCK) * N - rw[0].ofs);
+    for (int k = 0; k < U; ++k) smx_load_bytes(cm[0][k].b, rw[0].m + (cs + tid + k * SMX_CBLOCK) * N - rw[0].ofs);
     return;
   }
-#pragma unroll
-  for (int k = 0; k < U; ++k) {
-    const int c = cs + tid + k * SMX_CBLOCK;
-    const int j0 = c * N - rw[0].ofs;
-    const bool inrow = j0 >= 0 && j0 + N <= p.sk;
-    if (!smx_in(c, rw[0].c0, rw[0].c1) && !(j0 < rw[0].lim && j0 + N > 0)) continue;
-    if (rw[0].mvec && (inrow || (rw[0].m + j0 >= m0 && rw[0].m + j0 + N <= m0 + p.span_m))) {
-      smx_load_bytes(cm[k].b, rw[0].m + j0);
-    } else {
-      smx_gather<sizeof(S), MW>(cm[k].b.w, rw[0].m, p.sm, j0, rw[0].lim, N);
-    }
-  }
+  Chunk<T> cx[1][U];
+  smx_fwd_load<T, M, U, 1, false>(cx, cm, rw, cs + tid, SMX_CBLOCK, p, x, m0);
 }
 // One step of PAIR (as smx_cl_pair_step) on x from the thread's slots `xq` (the step's
 // first chunk, then every SMX_CBLOCK: LOAD put every chunk there, an edge chunk as the
@@ -659,20 +649,18 @@ __device__ __forceinline__ void smx_xs_pair_step(float& m, float& s, Chunk<T>* x
 template <typename T, class M>
 __device__ __forceinline__ void smx_xs_store_step(const Chunk<T>* xq, const FwdRow<T, M> (&rw)[1],
                                                   const bool (&acts)[1], int cs, int tid, const SmxFwdParams& p,
-                                                  const typename M::S* m0, bool sfold, float sl, float mls, float mu,
-                                                  const float (&inv)[1]) {
+                                                  const T* x, const typename M::S* m0, bool sfold, float sl, float mls,
+                                                  float mu, const float (&inv)[1]) {
   enum { N = Chunk<T>::N, U = SMX_CL_U };
   Chunk<T> cx[1][U];
-  if (sfold && smx_interior(rw[0], cs, U * SMX_CBLOCK)) {
 #pragma unroll
-    for (int k = 0; k < U; ++k) cx[0][k] = xq[k * SMX_CBLOCK];
+  for (int k = 0; k < U; ++k) cx[0][k] = xq[k * SMX_CBLOCK];
+  if (sfold && smx_interior(rw[0], cs, U * SMX_CBLOCK)) {
     smx_fold_store_chunks<T, U, SMX_CBLOCK>(cx[0], rw[0].y, cs + tid, rw[0].ofs, sl, mls);
     return;
   }
   MaskChunk<M, N> cm[1][U];
-  smx_xs_mask<T, M>(cm[0], rw, cs, tid, p, m0);
-#pragma unroll
-  for (int k = 0; k < U; ++k) cx[0][k] = xq[k * SMX_CBLOCK];
+  smx_xs_mask<T, M>(cm, rw, cs, tid, p, x, m0);
   smx_cl_store_step<T, M>(cx, cm, rw, acts, cs, tid, p, false, sl, mls, mu, inv);
 }
 
@@ -792,10 +780,10 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   }
   // XS: the mask of the next SMX_XS_AHEAD steps in flight while a step is worked on.
   enum { XA = XS ? SMX_XS_AHEAD : 1 };
-  MC ring[XA][U];
+  MC ring[XA][1][U];
 #pragma unroll
   for (int d = 0; d < XA; ++d)
-    if (XS && d * U < q_smem) smx_xs_mask<T, M>(ring[d], rw, cq + d * U * SMX_CBLOCK, tid, p, m0);
+    if (XS && d * U < q_smem) smx_xs_mask<T, M>(ring[d], rw, cq + d * U * SMX_CBLOCK, tid, p, x, m0);
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
     smx_cp_wait_parts_after(g);  // each thread reads back only the slots it filled
@@ -804,13 +792,13 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
       if constexpr (XS) {
         MC cm[1][U];
 #pragma unroll
-        for (int k = 0; k < U; ++k) cm[0][k] = ring[0][k];
+        for (int k = 0; k < U; ++k) cm[0][k] = ring[0][0][k];
 #pragma unroll
         for (int d = 0; d + 1 < XA; ++d)
 #pragma unroll
-          for (int k = 0; k < U; ++k) ring[d][k] = ring[d + 1][k];
+          for (int k = 0; k < U; ++k) ring[d][0][k] = ring[d + 1][0][k];
         const int qn = q0 + XA * U;  // the step whose mask is read now
-        if (qn < q_smem) smx_xs_mask<T, M>(ring[XA - 1], rw, cq + qn * SMX_CBLOCK, tid, p, m0);
+        if (qn < q_smem) smx_xs_mask<T, M>(ring[XA - 1], rw, cq + qn * SMX_CBLOCK, tid, p, x, m0);
         smx_xs_pair_step<T, M>(m, s, xs + q0 * SMX_CBLOCK + tid, cm, rw, cq + q0 * SMX_CBLOCK, tid, p, fold, sl);
         continue;
       }
@@ -880,8 +868,8 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   }
   for (int q0 = 0; q0 < (act ? q_smem : 0); q0 += U) {
     if constexpr (XS) {
-      smx_xs_store_step<T, M>(xs + q0 * SMX_CBLOCK + tid, rw, acts, cq + q0 * SMX_CBLOCK, tid, p, m0, sfold, sl, mls,
-                              mu, inv);
+      smx_xs_store_step<T, M>(xs + q0 * SMX_CBLOCK + tid, rw, acts, cq + q0 * SMX_CBLOCK, tid, p, x, m0, sfold, sl,
+                              mls, mu, inv);
       continue;
     }
     Chunk<T> cx[1][U];
