@@ -532,6 +532,23 @@ FORCE_STREAM: int | None = None
 # 14 clusters of 16 CTAs active at once (224 of the 264 CTA slots two per SM would give:
 # a cluster stays within a GPC), 25% theoretical occupancy, DRAM 64% busy, L2 hit rate 79%,
 # a third of the warps' stall cycles waiting on global loads (the mask).
+# Tried and not kept (same kind of H100, 512 rows of 1M keys, % of copy in three rounds;
+# each variant and the kernel above timed one after the other on one machine, each against
+# the copy ceiling of its own run):
+# - Slots visited rotated by the row (slot step st holding the slice's step (st + row) %
+#   steps), so that clusters on rows sharing a mask read different parts of it at once:
+#   fp16 padding mask 74.1 74.3 74.0 against 75.4 75.2 75.4; bf16 74.1-74.5 against
+#   76.4-76.8.  The mask's sharing is not what costs: 32 masks each shared by 16 rows
+#   (x [32, 16, Sk], mask [32, 1, Sk]) took as long as one shared by all 512 (fp16 0.985
+#   against 0.975 ms), and a mask per row 1.081 ms while it moves 25% more bytes.
+# - PAIR's loop unrolled SMX_XS_AHEAD times, each step's mask in a fixed register slot
+#   (the ring of read-ahead slots above is rotated by register moves, which wait for reads
+#   still in flight): fp16 70.8-72.2 (padding mask) and 82.9-83.3 (mask of x's shape)
+#   against 73.9-74.6 and 83.9-84.8; bf16 75.2-75.4 and 87.5-87.6 against 75.4-76.1 and
+#   84.1-84.6 (120 / 117 registers).  Where the planner does not take it, at 262144 keys,
+#   that variant gave 81.3-81.5 / 88.4-88.8 fp16 and 89.4-90.4 / 97.2-98.1 bf16 (the mask
+#   beside x 92.6-93.9 / 99.5-100.4 and 96.0-96.5 / 100.4-101.7): bf16 gains where fp16
+#   does not, unexplained so far.
 XS_MASK_KINDS = ("hide1",)
 # Testing knob: True plans it wherever a cluster holds x, False never; None (the default)
 # where no cluster holds x and the mask beside it.

@@ -675,7 +675,11 @@ def _refuse_out_with_grad(out: Any, grad: bool, what: str) -> None:
 # Hence the launch by cuLaunchKernelEx with a CUlaunchConfig per prepared launch and stream
 # (4.90 against 5.19 us for cuLaunchKernel in that run; a config shared across threads may
 # not have its stream set per call, so each stream has its own).  With it, on another host
-# (commit 29e4cc8): 8.59 us, torch.softmax 6.50.
+# (commit 29e4cc8): 8.59 us, torch.softmax 6.50.  On an H100 host (host_launch.py, tree of
+# 6186790): cuLaunchKernelEx with the config 5.53 us, the driver's cuLaunchKernelEx entry
+# point (cuGetProcAddress) called through ctypes 5.81, cuLaunchKernel 5.89: cuda.bindings'
+# call is kept.  This function inlined into scaled_masked_softmax (a Python call less)
+# saved 0.07-0.12 of 14.0-14.5 us per call on that (slow) host: not kept.
 def _eager(x: Any, scale: Any, causal: Any) -> Tensor | None:
     """The eager fast path of a forward of x alone (no mask, key_lengths, out or stream):
     y, launched on the current stream, where x is a plain tensor that needs no autograd
