@@ -8,11 +8,14 @@
 // memory alone would leave room for one CTA per SM (two CTAs overlap one's loads with the
 // other's reductions and stores).
 //   LOAD    the R register chunks by the register tier's LOAD, then every other chunk a
-//           thread owns to dynamic shared memory, raw, all in flight:
-//           whole aligned chunks by cp.async (16 bytes, no registers held), the few others
-//           (a row's first and last chunk, strided rows) through the register tier's LOAD;
-//           committed in SMX_CL_PARTS groups, so that PAIR starts on the first part of the
-//           slice while the rest still arrives;
+//           thread owns to dynamic shared memory, raw, all in flight, in SMX_CL_PARTS
+//           parts, so that PAIR starts on the first part of the slice while the rest
+//           still arrives: in the cluster tier (SMX_BULK) each part's whole visible
+//           chunks by one bulk copy per operand (thread 0, completing on the part's
+//           mbarrier; the slice's layout in shared memory is its layout in the row), in
+//           the coop tier by cp.async (16 bytes a thread, no registers held, a commit group
+//           a part); the few others (a row's first and last chunk, strided rows, a mask
+//           off the 16-byte grid) through the register tier's LOAD or cp.async;
 //   PAIR    the thread's (max, sum) over its chunks (the register tier's VALUES), merged
 //           over the warp, the CTA, then the cluster: each CTA stores its pair into every
 //           CTA's shared memory (st.async through distributed shared memory, completing on
@@ -63,6 +66,11 @@
 // The slice is loaded in SMX_CL_PARTS parts, each a commit group of whole steps of U
 // chunks: part g covers steps [smx_part_begin(g), smx_part_begin(g + 1)).
 #define SMX_CL_PARTS 4
+// The cluster tier's LOAD: 1, the whole chunks of each part of a slice by one bulk copy
+// per operand (cp.async.bulk, issued by thread 0); 0, a 16-byte cp.async per chunk and thread.
+#ifndef SMX_BULK
+#define SMX_BULK 1
+#endif
 
 extern __shared__ __align__(16) unsigned char smx_cl_dyn[];
 
@@ -133,6 +141,81 @@ __device__ __forceinline__ void smx_cp_wait_parts_after(int g) {  // part g has 
   }
 }
 
+// Bulk copies (sm_90+): a span of whole chunks of a slice, global -> this CTA's shared
+// memory in one instruction (the copy engine; 16-byte aligned ends, a multiple of 16
+// bytes), completing its bytes on an mbarrier armed for them by the issuing thread's
+// arrival (smx_mbar_expect); every thread waits on that mbarrier's first phase
+// (smx_mbar_wait0; the cluster's exchange waits on its own mbarrier alike).
+__device__ __forceinline__ void smx_bulk_g2s(smx_u32 dst, const void* src, smx_u32 bytes, smx_u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void smx_mbar_expect(smx_u32 bar, smx_u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(bar), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void smx_mbar_wait0(smx_u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  smx_u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(bar)
+                 : "memory");
+  } while (!done);
+#endif
+}
+// The chunks [a, b) of a part of a slice (its chunks [pa, pb); cq: the slice's first chunk
+// in shared memory) that arrive by bulk copies: those whole and wholly visible, [c0, c1),
+// where MB > 0 also the mask's (MB bytes a chunk, at element c * N - ofs of row `m`) all
+// of them or none: none where one of the mask's ends in global or shared memory would be
+// off a 16-byte boundary.  Every other chunk takes the per-thread path.
+struct SmxSpan {
+  int a, b;
+};
+template <int MB, typename S>
+__device__ __forceinline__ SmxSpan smx_bulk_span(int pa, int pb, int c0, int c1, int cq, const S* m, int ofs) {
+  SmxSpan r;
+  r.a = max(pa, c0);
+  r.b = max(r.a, min(pb, c1));
+  if (MB > 0 && r.b > r.a) {
+    const smx_u64 at = (smx_u64)(m + ((smx_i64)r.a * (MB / (int)sizeof(S)) - ofs));
+    if (((at | (smx_u64)((r.b - r.a) * MB) | (smx_u64)((r.a - cq) * MB)) & 15u) != 0) r.b = r.a;
+  }
+  return r;
+}
+// LOAD's bulk copies of a slice whose shared memory holds operands A (AB bytes a chunk,
+// at shared address sa, row ga) and, where BB > 0, B (sb, gb), both in the row's layout
+// (chunk c at element c * N - ofs of its row, at (c - cq) chunks into its slots): thread 0
+// arms each part's mbarrier for its span's bytes and issues them.  Bit g of the result:
+// part g's span is not empty (its whole visible chunks come by bulk copy).
+template <int N, int AB, int BB, class X, typename TA, typename TB>
+__device__ __forceinline__ int smx_bulk_parts(const X& xc, int steps, int cq, int c0, int c1, int ofs, smx_u32 sa,
+                                              const TA* ga, smx_u32 sb, const TB* gb) {
+  int bulk = 0;
+#pragma unroll 1
+  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+    const SmxSpan sp = smx_bulk_span<BB>(cq + smx_part_begin(g, steps) * SMX_CL_U * SMX_CBLOCK,
+                                         cq + smx_part_begin(g + 1, steps) * SMX_CL_U * SMX_CBLOCK, c0, c1, cq, gb, ofs);
+    const int n = sp.b - sp.a;
+    if (n > 0) bulk |= 1 << g;
+    if (threadIdx.x == 0) {
+      const smx_u32 bar = xc.part_bar(g);
+      smx_mbar_expect(bar, (smx_u32)(n * (AB + BB)));
+      if (n > 0) {
+        smx_bulk_g2s(sa + (sp.a - cq) * AB, ga + (sp.a * N - ofs), n * AB, bar);
+        if (BB > 0) smx_bulk_g2s(sb + (sp.a - cq) * BB, gb + (sp.a * N - ofs), n * BB, bar);
+      }
+    }
+  }
+  return bulk;
+}
+
 // (m, s) pairs: merged over the 32 lanes of a warp with a butterfly (each step combines the
 // same two partial results in every lane, and the merge is commutative: every lane ends
 // with the same bits).
@@ -181,6 +264,7 @@ __device__ __forceinline__ smx_u32 smx_cluster_size() {
 // (barrier.cluster.arrive.release compiles to a GPU-scope memory barrier: measured slow.)
 struct SmxClusterShared {
   smx_u64 bar;
+  smx_u64 parts[SMX_CL_PARTS];  // the slice's bulk copies, a part each (SmxClusterX::BULK)
   float slots[16][2];
 };
 __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
@@ -190,21 +274,28 @@ __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
 }
 struct SmxClusterX {
   enum { INTERIOR = 1 };  // the forward's interior steps take the folded path (smx_fwd_slice)
+  enum { BULK = SMX_BULK };  // the slice's whole chunks land by bulk copies (smx_bulk_span)
   smx_u32 cs, rank;
   SmxClusterShared* sh;
   // Blocks sharing a row, for a slice that streams what shared memory does not hold.
   __device__ __forceinline__ int blocks() const { return (int)cs; }
-  // Thread 0 initialises and arms the mbarrier; every thread arrives at the cluster barrier.
+  // Thread 0 initialises and arms the mbarriers (the exchange's, the parts' with one
+  // arrival each: thread 0's, in LOAD); every thread arrives at the cluster barrier, and
+  // with BULK waits for the parts' mbarriers to be initialised before anyone waits on them.
   __device__ __forceinline__ void start() const {
     if (threadIdx.x == 0) {
       const smx_u32 b = smx_smem_addr(&sh->bar);
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-      asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(b), "r"(cs * 8u)
-                   : "memory");
+      smx_mbar_expect(b, cs * 8u);
+#pragma unroll
+      for (int g = 0; BULK && g < SMX_CL_PARTS; ++g)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smx_smem_addr(&sh->parts[g])) : "memory");
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    if (BULK) __syncthreads();
   }
+  __device__ __forceinline__ smx_u32 part_bar(int g) const { return smx_smem_addr(&sh->parts[g]); }
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float*, T*, smx_i64, int, int, bool) const {
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
@@ -216,14 +307,7 @@ struct SmxClusterX {
                    "r"(__float_as_uint(m)), "r"(__float_as_uint(s)), "r"(bar)
                    : "memory");
     }
-    const smx_u32 b = smx_smem_addr(&sh->bar);
-    smx_u32 done;
-    do {
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done)
-                   : "r"(b)
-                   : "memory");
-    } while (!done);
+    smx_mbar_wait0(smx_smem_addr(&sh->bar));
     m = SUM ? 0.0f : -SMX_INF;
     s = 0.0f;
     if (lane < cs) {
@@ -309,7 +393,7 @@ __device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, fl
 // The coop exchange: the pair of block `rank` lives in the output elements
 // max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
 struct SmxCoopX {
-  enum { INTERIOR = 0 };
+  enum { INTERIOR = 0, BULK = 0 };  // (its blocks reuse their shared memory wave after wave)
   __device__ __forceinline__ int blocks() const { return 0; }  // slices never stream here
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
@@ -713,11 +797,22 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   const smx_u32 xs_a = smx_smem_addr(xs) + tid * XB;
   const smx_u32 ms_a = smx_smem_addr(ms) + tid * MB;
   const bool mwhole = MB == 0 || rw[0].mvec;
+  // BULK: each part's whole visible chunks by one bulk copy per operand, issued first by
+  // thread 0 (bit g of `bulk`: part g's are on their way); the threads load the rest of
+  // the slice (its ends, and parts whose mask a bulk copy cannot take) themselves.
+  int bulk = 0;
+  if constexpr (X::BULK) {
+    if (mwhole)
+      bulk = smx_bulk_parts<N, XB, MB>(xc, steps, cq, rw[0].c0, rw[0].c1, rw[0].ofs, smx_smem_addr(xs), rw[0].x,
+                                       smx_smem_addr(ms), rw[0].m);
+  }
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
+    const bool gb = (bulk >> g) & 1;  // part g's whole visible chunks come by bulk copy
 #pragma unroll 1
     for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
       const int cs0 = cq + st * U * SMX_CBLOCK;  // the step's first chunk
+      if (gb && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) continue;
       if (X::INTERIOR && mwhole && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) {
         const int j0 = (cs0 + tid) * N - rw[0].ofs;
 #pragma unroll
@@ -736,6 +831,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
         const int slot = q * SMX_CBLOCK + tid;
         const int j0 = c * N - rw[0].ofs;
         if (smx_in(c, rw[0].c0, rw[0].c1)) {
+          if (gb) continue;  // (the bulk copy brings it)
           smx_cp16(&xs[slot], rw[0].x + j0);
           if (MB > 0) {
             if (rw[0].mvec) {
@@ -787,6 +883,9 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
     smx_cp_wait_parts_after(g);  // each thread reads back only the slots it filled
+    if constexpr (X::BULK) {
+      if (mwhole) smx_mbar_wait0(xc.part_bar(g));  // and the part's bulk copies
+    }
 #pragma unroll 1
     for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
       if constexpr (XS) {
@@ -928,10 +1027,17 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
   if (R > 0) smx_bwd_load<T, RR, 1, false>(cdr, cyr, rw, cb + tid, SMX_CBLOCK, p, dy, y);
 
   const int steps = q_smem / U;
+  int bulk = 0;  // as the forward's LOAD
+  if constexpr (X::BULK)
+    bulk = smx_bulk_parts<N, 16, 16>(xc, steps, cq, rw[0].c0, rw[0].c1, rw[0].ofs, smx_smem_addr(ds), rw[0].dy,
+                                     smx_smem_addr(ys), rw[0].y);
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
+    const bool gb = (bulk >> g) & 1;
 #pragma unroll 1
     for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
+      const int cs0 = cq + st * U * SMX_CBLOCK;
+      if (gb && cs0 >= rw[0].c0 && cs0 + U * SMX_CBLOCK <= rw[0].c1) continue;  // all by bulk copy
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int q = st * U + u;
@@ -939,6 +1045,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
         const int slot = q * SMX_CBLOCK + tid;
         const int j0 = c * N - rw[0].ofs;
         if (smx_in(c, rw[0].c0, rw[0].c1)) {
+          if (gb) continue;
           smx_cp16(&ds[slot], rw[0].dy + j0);
           smx_cp16(&ys[slot], rw[0].y + j0);
         } else if (j0 < sk && j0 + N > 0) {
@@ -962,6 +1069,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 #pragma unroll 1
   for (int g = 0; g < SMX_CL_PARTS; ++g) {
     smx_cp_wait_parts_after(g);
+    if constexpr (X::BULK) smx_mbar_wait0(xc.part_bar(g));
 #pragma unroll 1
     for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
       Chunk<T> cd[1][U], cy[1][U];
