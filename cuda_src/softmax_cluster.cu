@@ -153,6 +153,11 @@ __device__ __forceinline__ void smx_bulk_g2s(smx_u32 dst, const void* src, smx_u
                : "memory");
 #endif
 }
+__device__ __forceinline__ void smx_mbar_init1(smx_u32 bar) {  // one arrival a phase
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+#endif
+}
 __device__ __forceinline__ void smx_mbar_expect(smx_u32 bar, smx_u32 bytes) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(bar), "r"(bytes)
@@ -285,11 +290,10 @@ struct SmxClusterX {
   __device__ __forceinline__ void start() const {
     if (threadIdx.x == 0) {
       const smx_u32 b = smx_smem_addr(&sh->bar);
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+      smx_mbar_init1(b);
       smx_mbar_expect(b, cs * 8u);
 #pragma unroll
-      for (int g = 0; BULK && g < SMX_CL_PARTS; ++g)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smx_smem_addr(&sh->parts[g])) : "memory");
+      for (int g = 0; BULK && g < SMX_CL_PARTS; ++g) smx_mbar_init1(part_bar(g));
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -631,8 +635,8 @@ __device__ __forceinline__ int smx_slice_steps(int elems, int blocks, int R, int
 }
 
 // Chunks [base, base + K * B) all whole and visible.
-template <typename T, class M>
-__device__ __forceinline__ bool smx_interior(const FwdRow<T, M>& r, int base, int kb) {
+template <class Row>  // (FwdRow or BwdRow)
+__device__ __forceinline__ bool smx_interior(const Row& r, int base, int kb) {
   return base >= r.c0 && base + kb <= r.c1;
 }
 
@@ -812,8 +816,8 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 #pragma unroll 1
     for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
       const int cs0 = cq + st * U * SMX_CBLOCK;  // the step's first chunk
-      if (gb && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) continue;
       if (X::INTERIOR && mwhole && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) {
+        if (gb) continue;  // (the bulk copy brings the step: gb needs the cluster tier and mwhole)
         const int j0 = (cs0 + tid) * N - rw[0].ofs;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -1037,7 +1041,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 #pragma unroll 1
     for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
       const int cs0 = cq + st * U * SMX_CBLOCK;
-      if (gb && cs0 >= rw[0].c0 && cs0 + U * SMX_CBLOCK <= rw[0].c1) continue;  // all by bulk copy
+      if (gb && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) continue;  // all by bulk copy
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int q = st * U + u;
