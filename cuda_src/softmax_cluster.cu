@@ -8,9 +8,9 @@
 // memory alone would leave room for one CTA per SM (two CTAs overlap one's loads with the
 // other's reductions and stores).
 //   LOAD    the R register chunks by the register tier's LOAD, then every other chunk a
-//           thread owns to dynamic shared memory, raw, all in flight, in SMX_CL_PARTS
-//           parts, so that PAIR starts on the first part of the slice while the rest
-//           still arrives: in the cluster tier (SMX_BULK) each part's whole visible
+//           thread owns to dynamic shared memory, raw, all in flight, in parts (X::PARTS),
+//           so that PAIR starts on the first part of the slice while the rest still
+//           arrives: in the cluster tier (SMX_FWD_BULK, SMX_BWD_BULK) each part's whole visible
 //           chunks by one bulk copy per operand (thread 0, completing on the part's
 //           mbarrier; the slice's layout in shared memory is its layout in the row), in
 //           the coop tier by cp.async (16 bytes a thread, no registers held, a commit group
@@ -63,13 +63,31 @@
 #define SMX_XS_BLOCKS 2
 #define SMX_XS_AHEAD 4
 #define SMX_CL_U 4  // chunks per thread per step of PAIR and STORE
-// The slice is loaded in SMX_CL_PARTS parts, each a commit group of whole steps of U
-// chunks: part g covers steps [smx_part_begin(g), smx_part_begin(g + 1)).
-#define SMX_CL_PARTS 4
-// The cluster tier's LOAD: 1, the whole chunks of each part of a slice by one bulk copy
-// per operand (cp.async.bulk, issued by thread 0); 0, a 16-byte cp.async per chunk and thread.
-#ifndef SMX_BULK
-#define SMX_BULK 1
+// The slice is loaded in X::PARTS parts, each a commit group (and in the cluster tier an
+// mbarrier) of whole steps of U chunks: part g covers steps [smx_part_begin<P>(g),
+// smx_part_begin<P>(g + 1)).  The cluster tier's LOAD, forward and backward: 1, the whole
+// chunks of each part by one bulk copy per operand (cp.async.bulk, issued by thread 0);
+// 0, a 16-byte cp.async per chunk and thread.  H100, the benchmark's long shapes (16-bit
+// 2^29 elements, fp32 2^28), speed against per-thread copies in 4 parts (best of two
+// rounds; the mean over fp16, bf16 and fp32; rounds differ by up to 4%):
+//   parts, bulk          fwd 64K / 256K / 1M     fwd+bool [rows,Sk] 64K..1M   bwd 64K / 256K / 1M
+//   8, per-thread        0.98 / 0.99 / 0.97      0.97 / 0.98 / 0.97          0.97 / 0.98 / 0.96
+//   16, per-thread       0.98 / 0.98 / 0.97      0.98 / 0.97 / 0.96          0.96 / 0.95 / 0.95
+//   4, bulk              (half those sizes: bwd 0.91-1.00 at 64K / 256K, fwd 0.95-1.04)
+//   8, bulk (kept)       1.02 / 1.01 / 1.02      0.98 / 0.97 / 1.01          1.04 / 1.05 / 0.97
+//   16, bulk             0.97 / 0.97 / 0.98      0.94 / 0.92 / 0.98          0.95 / 0.96 / 0.98
+// (a [1,Sk] padding mask: 8 bulk 1.00 / 1.00 / 1.03).  The coop tier keeps 4 parts of
+// cp.async (its blocks reuse shared memory wave after wave).
+#ifndef SMX_CL_PARTS
+#define SMX_CL_PARTS 8
+#endif
+static_assert(SMX_CL_PARTS >= 1 && SMX_CL_PARTS <= 16, "SMX_CL_PARTS: 1 to 16 parts (a bit each in LOAD's mask)");
+#define SMX_COOP_PARTS 4
+#ifndef SMX_FWD_BULK
+#define SMX_FWD_BULK 1
+#endif
+#ifndef SMX_BWD_BULK
+#define SMX_BWD_BULK 1
 #endif
 
 extern __shared__ __align__(16) unsigned char smx_cl_dyn[];
@@ -120,7 +138,7 @@ __device__ __forceinline__ void smx_cp16(void* dst, const void* src) { smx_cp16a
 template <int B> __device__ __forceinline__ void smx_cp_bytes(void* dst, const void* src) {
   smx_cp_bytes_a<B>(smx_smem_addr(dst), src);
 }
-__device__ __forceinline__ int smx_part_begin(int g, int steps) { return g * steps / SMX_CL_PARTS; }
+template <int P> __device__ __forceinline__ int smx_part_begin(int g, int steps) { return g * steps / P; }
 __device__ __forceinline__ void smx_cp_commit() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");
@@ -132,13 +150,19 @@ template <int G> __device__ __forceinline__ void smx_cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(G) : "memory");
 #endif
 }
-__device__ __forceinline__ void smx_cp_wait_parts_after(int g) {  // part g has landed
-  switch (SMX_CL_PARTS - 1 - g) {
-    case 0: smx_cp_wait<0>(); break;
-    case 1: smx_cp_wait<1>(); break;
-    case 2: smx_cp_wait<2>(); break;
-    default: smx_cp_wait<3>(); break;
+// Wait until at most K groups are in flight, K < P known at run time only.
+template <int P> __device__ __forceinline__ void smx_cp_wait_upto(int k) {
+  if constexpr (P <= 1) {
+    smx_cp_wait<0>();
+  } else {
+    if (k >= P - 1)
+      smx_cp_wait<P - 1>();
+    else
+      smx_cp_wait_upto<P - 1>(k);
   }
+}
+template <int P> __device__ __forceinline__ void smx_cp_wait_parts_after(int g) {  // part g of P has landed
+  smx_cp_wait_upto<P>(P - 1 - g);
 }
 
 // Bulk copies (sm_90+): a span of whole chunks of a slice, global -> this CTA's shared
@@ -204,9 +228,10 @@ __device__ __forceinline__ int smx_bulk_parts(const X& xc, int steps, int cq, in
                                               const TA* ga, smx_u32 sb, const TB* gb) {
   int bulk = 0;
 #pragma unroll 1
-  for (int g = 0; g < SMX_CL_PARTS; ++g) {
-    const SmxSpan sp = smx_bulk_span<BB>(cq + smx_part_begin(g, steps) * SMX_CL_U * SMX_CBLOCK,
-                                         cq + smx_part_begin(g + 1, steps) * SMX_CL_U * SMX_CBLOCK, c0, c1, cq, gb, ofs);
+  for (int g = 0; g < X::PARTS; ++g) {
+    const SmxSpan sp = smx_bulk_span<BB>(cq + smx_part_begin<X::PARTS>(g, steps) * SMX_CL_U * SMX_CBLOCK,
+                                         cq + smx_part_begin<X::PARTS>(g + 1, steps) * SMX_CL_U * SMX_CBLOCK, c0, c1, cq,
+                                         gb, ofs);
     const int n = sp.b - sp.a;
     if (n > 0) bulk |= 1 << g;
     if (threadIdx.x == 0) {
@@ -269,7 +294,7 @@ __device__ __forceinline__ smx_u32 smx_cluster_size() {
 // (barrier.cluster.arrive.release compiles to a GPU-scope memory barrier: measured slow.)
 struct SmxClusterShared {
   smx_u64 bar;
-  smx_u64 parts[SMX_CL_PARTS];  // the slice's bulk copies, a part each (SmxClusterX::BULK)
+  smx_u64 parts[SMX_CL_PARTS];  // the slice's bulk copies, a part each (SmxClusterX::FWD_BULK, BWD_BULK)
   float slots[16][2];
 };
 __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
@@ -279,7 +304,8 @@ __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
 }
 struct SmxClusterX {
   enum { INTERIOR = 1 };  // the forward's interior steps take the folded path (smx_fwd_slice)
-  enum { BULK = SMX_BULK };  // the slice's whole chunks land by bulk copies (smx_bulk_span)
+  // The slice's whole chunks land by bulk copies (smx_bulk_span) in the forward / backward.
+  enum { PARTS = SMX_CL_PARTS, FWD_BULK = SMX_FWD_BULK, BWD_BULK = SMX_BWD_BULK, BULK = FWD_BULK || BWD_BULK };
   smx_u32 cs, rank;
   SmxClusterShared* sh;
   // Blocks sharing a row, for a slice that streams what shared memory does not hold.
@@ -293,7 +319,7 @@ struct SmxClusterX {
       smx_mbar_init1(b);
       smx_mbar_expect(b, cs * 8u);
 #pragma unroll
-      for (int g = 0; BULK && g < SMX_CL_PARTS; ++g) smx_mbar_init1(part_bar(g));
+      for (int g = 0; BULK && g < PARTS; ++g) smx_mbar_init1(part_bar(g));
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -397,7 +423,8 @@ __device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, fl
 // The coop exchange: the pair of block `rank` lives in the output elements
 // max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
 struct SmxCoopX {
-  enum { INTERIOR = 0, BULK = 0 };  // (its blocks reuse their shared memory wave after wave)
+  // (no bulk copies: its blocks reuse their shared memory wave after wave)
+  enum { INTERIOR = 0, PARTS = SMX_COOP_PARTS, FWD_BULK = 0, BWD_BULK = 0 };
   __device__ __forceinline__ int blocks() const { return 0; }  // slices never stream here
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
@@ -805,16 +832,16 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // thread 0 (bit g of `bulk`: part g's are on their way); the threads load the rest of
   // the slice (its ends, and parts whose mask a bulk copy cannot take) themselves.
   int bulk = 0;
-  if constexpr (X::BULK) {
+  if constexpr (X::FWD_BULK) {
     if (mwhole)
       bulk = smx_bulk_parts<N, XB, MB>(xc, steps, cq, rw[0].c0, rw[0].c1, rw[0].ofs, smx_smem_addr(xs), rw[0].x,
                                        smx_smem_addr(ms), rw[0].m);
   }
 #pragma unroll 1
-  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+  for (int g = 0; g < X::PARTS; ++g) {
     const bool gb = (bulk >> g) & 1;  // part g's whole visible chunks come by bulk copy
 #pragma unroll 1
-    for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
+    for (int st = smx_part_begin<X::PARTS>(g, steps); st < smx_part_begin<X::PARTS>(g + 1, steps); ++st) {
       const int cs0 = cq + st * U * SMX_CBLOCK;  // the step's first chunk
       if (X::INTERIOR && mwhole && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) {
         if (gb) continue;  // (the bulk copy brings the step: gb needs the cluster tier and mwhole)
@@ -885,13 +912,13 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   for (int d = 0; d < XA; ++d)
     if (XS && d * U < q_smem) smx_xs_mask<T, M>(ring[d], rw, cq + d * U * SMX_CBLOCK, tid, p, x, m0);
 #pragma unroll 1
-  for (int g = 0; g < SMX_CL_PARTS; ++g) {
-    smx_cp_wait_parts_after(g);  // each thread reads back only the slots it filled
-    if constexpr (X::BULK) {
+  for (int g = 0; g < X::PARTS; ++g) {
+    smx_cp_wait_parts_after<X::PARTS>(g);  // each thread reads back only the slots it filled
+    if constexpr (X::FWD_BULK) {
       if (mwhole) smx_mbar_wait0(xc.part_bar(g));  // and the part's bulk copies
     }
 #pragma unroll 1
-    for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
+    for (int q0 = smx_part_begin<X::PARTS>(g, steps) * U; q0 < smx_part_begin<X::PARTS>(g + 1, steps) * U; q0 += U) {
       if constexpr (XS) {
         MC cm[1][U];
 #pragma unroll
@@ -1032,14 +1059,14 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 
   const int steps = q_smem / U;
   int bulk = 0;  // as the forward's LOAD
-  if constexpr (X::BULK)
+  if constexpr (X::BWD_BULK)
     bulk = smx_bulk_parts<N, 16, 16>(xc, steps, cq, rw[0].c0, rw[0].c1, rw[0].ofs, smx_smem_addr(ds), rw[0].dy,
                                      smx_smem_addr(ys), rw[0].y);
 #pragma unroll 1
-  for (int g = 0; g < SMX_CL_PARTS; ++g) {
+  for (int g = 0; g < X::PARTS; ++g) {
     const bool gb = (bulk >> g) & 1;
 #pragma unroll 1
-    for (int st = smx_part_begin(g, steps); st < smx_part_begin(g + 1, steps); ++st) {
+    for (int st = smx_part_begin<X::PARTS>(g, steps); st < smx_part_begin<X::PARTS>(g + 1, steps); ++st) {
       const int cs0 = cq + st * U * SMX_CBLOCK;
       if (gb && smx_interior(rw[0], cs0, U * SMX_CBLOCK)) continue;  // all by bulk copy
 #pragma unroll
@@ -1071,11 +1098,11 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
     dot = t[0];
   }
 #pragma unroll 1
-  for (int g = 0; g < SMX_CL_PARTS; ++g) {
-    smx_cp_wait_parts_after(g);
-    if constexpr (X::BULK) smx_mbar_wait0(xc.part_bar(g));
+  for (int g = 0; g < X::PARTS; ++g) {
+    smx_cp_wait_parts_after<X::PARTS>(g);
+    if constexpr (X::BWD_BULK) smx_mbar_wait0(xc.part_bar(g));
 #pragma unroll 1
-    for (int q0 = smx_part_begin(g, steps) * U; q0 < smx_part_begin(g + 1, steps) * U; q0 += U) {
+    for (int q0 = smx_part_begin<X::PARTS>(g, steps) * U; q0 < smx_part_begin<X::PARTS>(g + 1, steps) * U; q0 += U) {
       Chunk<T> cd[1][U], cy[1][U];
       float t[1];
 #pragma unroll
