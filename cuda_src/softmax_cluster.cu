@@ -10,11 +10,11 @@
 //   LOAD    the R register chunks by the register tier's LOAD, then every other chunk a
 //           thread owns to dynamic shared memory, raw, all in flight, in parts (X::PARTS),
 //           so that PAIR starts on the first part of the slice while the rest still
-//           arrives: in the cluster tier (SMX_FWD_BULK, SMX_BWD_BULK) each part's whole visible
-//           chunks by one bulk copy per operand (thread 0, completing on the part's
-//           mbarrier; the slice's layout in shared memory is its layout in the row), in
-//           the coop tier by cp.async (16 bytes a thread, no registers held, a commit group
-//           a part); the few others (a row's first and last chunk, strided rows, a mask
+//           arrives: in the cluster tier on sm_90 (SMX_FWD_BULK, SMX_BWD_BULK) each part's
+//           whole visible chunks by one bulk copy per operand (thread 0, completing on the
+//           part's mbarrier; the slice's layout in shared memory is its layout in the row),
+//           in the coop tier (and the cluster tier beyond sm_90) by cp.async (16 bytes a
+//           thread, no registers held, a commit group a part); the few others (a row's first and last chunk, strided rows, a mask
 //           off the 16-byte grid) through the register tier's LOAD or cp.async;
 //   PAIR    the thread's (max, sum) over its chunks (the register tier's VALUES), merged
 //           over the warp, the CTA, then the cluster: each CTA stores its pair into every
@@ -77,17 +77,25 @@
 //   8, bulk (kept)       1.02 / 1.01 / 1.02      0.98 / 0.97 / 1.01          1.04 / 1.05 / 0.97
 //   16, bulk             0.97 / 0.97 / 0.98      0.94 / 0.92 / 0.98          0.95 / 0.96 / 0.98
 // (a [1,Sk] padding mask: 8 bulk 1.00 / 1.00 / 1.03).  The coop tier keeps 4 parts of
-// cp.async (its blocks reuse shared memory wave after wave).
+// cp.async (its blocks reuse shared memory wave after wave), and so does the cluster tier
+// beyond sm_90 (SMX_CL_BULK_ARCH), where nothing was measured and the bulk forward's spans
+// held more registers than the 16-bit forward with a 1-byte mask has: with NVRTC 13.5 it
+// spilled 8 bytes on sm_100 and 40 (fp16) / 16 (bf16) on sm_120; 13.0 none.
 #ifndef SMX_CL_PARTS
-#define SMX_CL_PARTS 8
+#define SMX_CL_PARTS 8  // parts where bulk copies load them
 #endif
 static_assert(SMX_CL_PARTS >= 1 && SMX_CL_PARTS <= 16, "SMX_CL_PARTS: 1 to 16 parts (a bit each in LOAD's mask)");
-#define SMX_COOP_PARTS 4
+#define SMX_CP_PARTS 4  // parts where each thread's cp.async loads them
 #ifndef SMX_FWD_BULK
 #define SMX_FWD_BULK 1
 #endif
 #ifndef SMX_BWD_BULK
 #define SMX_BWD_BULK 1
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define SMX_CL_BULK_ARCH 0
+#else
+#define SMX_CL_BULK_ARCH 1
 #endif
 
 extern __shared__ __align__(16) unsigned char smx_cl_dyn[];
@@ -305,7 +313,12 @@ __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
 struct SmxClusterX {
   enum { INTERIOR = 1 };  // the forward's interior steps take the folded path (smx_fwd_slice)
   // The slice's whole chunks land by bulk copies (smx_bulk_span) in the forward / backward.
-  enum { PARTS = SMX_CL_PARTS, FWD_BULK = SMX_FWD_BULK, BWD_BULK = SMX_BWD_BULK, BULK = FWD_BULK || BWD_BULK };
+  enum {
+    FWD_BULK = SMX_FWD_BULK && SMX_CL_BULK_ARCH,
+    BWD_BULK = SMX_BWD_BULK && SMX_CL_BULK_ARCH,
+    BULK = FWD_BULK || BWD_BULK,
+    PARTS = BULK ? SMX_CL_PARTS : SMX_CP_PARTS
+  };
   smx_u32 cs, rank;
   SmxClusterShared* sh;
   // Blocks sharing a row, for a slice that streams what shared memory does not hold.
@@ -424,7 +437,7 @@ __device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, fl
 // max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
 struct SmxCoopX {
   // (no bulk copies: its blocks reuse their shared memory wave after wave)
-  enum { INTERIOR = 0, PARTS = SMX_COOP_PARTS, FWD_BULK = 0, BWD_BULK = 0 };
+  enum { INTERIOR = 0, PARTS = SMX_CP_PARTS, FWD_BULK = 0, BWD_BULK = 0 };
   __device__ __forceinline__ int blocks() const { return 0; }  // slices never stream here
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
