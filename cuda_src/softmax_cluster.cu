@@ -10,12 +10,13 @@
 //   LOAD    the R register chunks by the register tier's LOAD, then every other chunk a
 //           thread owns to dynamic shared memory, raw, all in flight, in parts (X::PARTS),
 //           so that PAIR starts on the first part of the slice while the rest still
-//           arrives: in the cluster tier on sm_90 (SMX_FWD_BULK, SMX_BWD_BULK) each part's
-//           whole visible chunks by one bulk copy per operand (thread 0, completing on the
-//           part's mbarrier; the slice's layout in shared memory is its layout in the row),
-//           in the coop tier (and the cluster tier beyond sm_90) by cp.async (16 bytes a
-//           thread, no registers held, a commit group a part); the few others (a row's first and last chunk, strided rows, a mask
-//           off the 16-byte grid) through the register tier's LOAD or cp.async;
+//           arrives: in the cluster tier on sm_90 (SMX_CL_BULK) each part's whole visible
+//           chunks by one bulk copy per operand (thread 0, completing on the part's
+//           mbarrier; the slice's layout in shared memory is its layout in the row), in the
+//           coop tier (and the cluster tier beyond sm_90) by cp.async (16 bytes a thread,
+//           no registers held, a commit group a part); the few others (a row's first and
+//           last chunk, strided rows, a mask off the 16-byte grid) through the register
+//           tier's LOAD or cp.async;
 //   PAIR    the thread's (max, sum) over its chunks (the register tier's VALUES), merged
 //           over the warp, the CTA, then the cluster: each CTA stores its pair into every
 //           CTA's shared memory (st.async through distributed shared memory, completing on
@@ -69,7 +70,7 @@
 // chunks of each part by one bulk copy per operand (cp.async.bulk, issued by thread 0);
 // 0, a 16-byte cp.async per chunk and thread.  H100, the benchmark's long shapes (16-bit
 // 2^29 elements, fp32 2^28), speed against per-thread copies in 4 parts (best of two
-// rounds; the mean over fp16, bf16 and fp32; rounds differ by up to 4%):
+// rounds; the mean over fp16, bf16 and fp32; a variant's two rounds differ by up to 7%):
 //   parts, bulk          fwd 64K / 256K / 1M     fwd+bool [rows,Sk] 64K..1M   bwd 64K / 256K / 1M
 //   8, per-thread        0.98 / 0.99 / 0.97      0.97 / 0.98 / 0.97          0.97 / 0.98 / 0.96
 //   16, per-thread       0.98 / 0.98 / 0.97      0.98 / 0.97 / 0.96          0.96 / 0.95 / 0.95
@@ -78,7 +79,7 @@
 //   16, bulk             0.97 / 0.97 / 0.98      0.94 / 0.92 / 0.98          0.95 / 0.96 / 0.98
 // (a [1,Sk] padding mask: 8 bulk 1.00 / 1.00 / 1.03).  The coop tier keeps 4 parts of
 // cp.async (its blocks reuse shared memory wave after wave), and so does the cluster tier
-// beyond sm_90 (SMX_CL_BULK_ARCH), where nothing was measured and the bulk forward's spans
+// beyond sm_90 (SMX_CL_BULK 0), where nothing was measured and the bulk forward's spans
 // held more registers than the 16-bit forward with a 1-byte mask has: with NVRTC 13.5 it
 // spilled 8 bytes on sm_100 and 40 (fp16) / 16 (bf16) on sm_120; 13.0 none.
 #ifndef SMX_CL_PARTS
@@ -86,16 +87,12 @@
 #endif
 static_assert(SMX_CL_PARTS >= 1 && SMX_CL_PARTS <= 16, "SMX_CL_PARTS: 1 to 16 parts (a bit each in LOAD's mask)");
 #define SMX_CP_PARTS 4  // parts where each thread's cp.async loads them
-#ifndef SMX_FWD_BULK
-#define SMX_FWD_BULK 1
-#endif
-#ifndef SMX_BWD_BULK
-#define SMX_BWD_BULK 1
-#endif
+#ifndef SMX_CL_BULK  // the cluster tier's LOAD by bulk copies, forward and backward
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define SMX_CL_BULK_ARCH 0
+#define SMX_CL_BULK 0
 #else
-#define SMX_CL_BULK_ARCH 1
+#define SMX_CL_BULK 1
+#endif
 #endif
 
 extern __shared__ __align__(16) unsigned char smx_cl_dyn[];
@@ -237,9 +234,9 @@ __device__ __forceinline__ int smx_bulk_parts(const X& xc, int steps, int cq, in
   int bulk = 0;
 #pragma unroll 1
   for (int g = 0; g < X::PARTS; ++g) {
-    const SmxSpan sp = smx_bulk_span<BB>(cq + smx_part_begin<X::PARTS>(g, steps) * SMX_CL_U * SMX_CBLOCK,
-                                         cq + smx_part_begin<X::PARTS>(g + 1, steps) * SMX_CL_U * SMX_CBLOCK, c0, c1, cq,
-                                         gb, ofs);
+    enum { STEP = SMX_CL_U * SMX_CBLOCK };  // chunks a step
+    const SmxSpan sp = smx_bulk_span<BB>(cq + smx_part_begin<X::PARTS>(g, steps) * STEP,
+                                         cq + smx_part_begin<X::PARTS>(g + 1, steps) * STEP, c0, c1, cq, gb, ofs);
     const int n = sp.b - sp.a;
     if (n > 0) bulk |= 1 << g;
     if (threadIdx.x == 0) {
@@ -302,7 +299,7 @@ __device__ __forceinline__ smx_u32 smx_cluster_size() {
 // (barrier.cluster.arrive.release compiles to a GPU-scope memory barrier: measured slow.)
 struct SmxClusterShared {
   smx_u64 bar;
-  smx_u64 parts[SMX_CL_PARTS];  // the slice's bulk copies, a part each (SmxClusterX::FWD_BULK, BWD_BULK)
+  smx_u64 parts[SMX_CL_PARTS];  // the slice's bulk copies, a part each (SmxClusterX::BULK)
   float slots[16][2];
 };
 __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
@@ -312,13 +309,8 @@ __device__ __forceinline__ smx_u32 smx_mapa(smx_u32 a, smx_u32 rank) {
 }
 struct SmxClusterX {
   enum { INTERIOR = 1 };  // the forward's interior steps take the folded path (smx_fwd_slice)
-  // The slice's whole chunks land by bulk copies (smx_bulk_span) in the forward / backward.
-  enum {
-    FWD_BULK = SMX_FWD_BULK && SMX_CL_BULK_ARCH,
-    BWD_BULK = SMX_BWD_BULK && SMX_CL_BULK_ARCH,
-    BULK = FWD_BULK || BWD_BULK,
-    PARTS = BULK ? SMX_CL_PARTS : SMX_CP_PARTS
-  };
+  // The slice's whole chunks land by bulk copies (smx_bulk_span), forward and backward.
+  enum { BULK = SMX_CL_BULK, PARTS = BULK ? SMX_CL_PARTS : SMX_CP_PARTS };
   smx_u32 cs, rank;
   SmxClusterShared* sh;
   // Blocks sharing a row, for a slice that streams what shared memory does not hold.
@@ -437,7 +429,7 @@ __device__ __forceinline__ void smx_pair_get(const T* row, smx_i64 st, int j, fl
 // max(0, rank * chunks_per_block * N - ofs) .. + 8 bytes of its row.
 struct SmxCoopX {
   // (no bulk copies: its blocks reuse their shared memory wave after wave)
-  enum { INTERIOR = 0, PARTS = SMX_CP_PARTS, FWD_BULK = 0, BWD_BULK = 0 };
+  enum { INTERIOR = 0, PARTS = SMX_CP_PARTS, BULK = 0 };
   __device__ __forceinline__ int blocks() const { return 0; }  // slices never stream here
   template <bool SUM, typename T>
   __device__ __forceinline__ void merge(float& m, float& s, const float* pair, T* out, smx_i64 st, int ofs, int cpb,
@@ -845,7 +837,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
   // thread 0 (bit g of `bulk`: part g's are on their way); the threads load the rest of
   // the slice (its ends, and parts whose mask a bulk copy cannot take) themselves.
   int bulk = 0;
-  if constexpr (X::FWD_BULK) {
+  if constexpr (X::BULK) {
     if (mwhole)
       bulk = smx_bulk_parts<N, XB, MB>(xc, steps, cq, rw[0].c0, rw[0].c1, rw[0].ofs, smx_smem_addr(xs), rw[0].x,
                                        smx_smem_addr(ms), rw[0].m);
@@ -927,7 +919,7 @@ __device__ __forceinline__ void smx_fwd_slice(const T* __restrict__ x, T* __rest
 #pragma unroll 1
   for (int g = 0; g < X::PARTS; ++g) {
     smx_cp_wait_parts_after<X::PARTS>(g);  // each thread reads back only the slots it filled
-    if constexpr (X::FWD_BULK) {
+    if constexpr (X::BULK) {
       if (mwhole) smx_mbar_wait0(xc.part_bar(g));  // and the part's bulk copies
     }
 #pragma unroll 1
@@ -1072,7 +1064,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 
   const int steps = q_smem / U;
   int bulk = 0;  // as the forward's LOAD
-  if constexpr (X::BWD_BULK)
+  if constexpr (X::BULK)
     bulk = smx_bulk_parts<N, 16, 16>(xc, steps, cq, rw[0].c0, rw[0].c1, rw[0].ofs, smx_smem_addr(ds), rw[0].dy,
                                      smx_smem_addr(ys), rw[0].y);
 #pragma unroll 1
@@ -1113,7 +1105,7 @@ __device__ __forceinline__ void smx_bwd_slice(const T* __restrict__ dy, const T*
 #pragma unroll 1
   for (int g = 0; g < X::PARTS; ++g) {
     smx_cp_wait_parts_after<X::PARTS>(g);
-    if constexpr (X::BWD_BULK) smx_mbar_wait0(xc.part_bar(g));
+    if constexpr (X::BULK) smx_mbar_wait0(xc.part_bar(g));
 #pragma unroll 1
     for (int q0 = smx_part_begin<X::PARTS>(g, steps) * U; q0 < smx_part_begin<X::PARTS>(g + 1, steps) * U; q0 += U) {
       Chunk<T> cd[1][U], cy[1][U];
